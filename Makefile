@@ -1,0 +1,38 @@
+# The README's two commands: `make demo` and `make test`. Both set up first.
+PY := .venv/bin/python
+PROTOS := $(shell find proto -name '*.proto' | sort)
+
+.PHONY: setup proto demo test test-unit bench bench-snapshots bench-checkpoint bench-depsnap clean
+
+setup:
+	@scripts/setup.sh
+
+# Reproducible stub generation: the stubs are build outputs, never committed.
+proto:
+	@$(PY) -m grpc_tools.protoc -I . \
+	  -I "$$($(PY) -c 'import grpc_tools, os; print(os.path.join(os.path.dirname(grpc_tools.__file__), "_proto"))')" \
+	  --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+demo: setup
+	$(PY) -m scripts.demo
+
+test: setup
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest -ra tests/unit $(PYTEST_ARGS)
+
+bench: bench-snapshots bench-checkpoint bench-depsnap
+
+bench-snapshots: setup
+	$(PY) -m bench.snapshots_latency
+
+bench-checkpoint: setup
+	$(PY) -m bench.checkpoint
+
+bench-depsnap: setup
+	$(PY) -m bench.depsnap
+
+clean:
+	rm -rf .venv build *.egg-info
+	find proto -name '*_pb2*.py*' -delete

@@ -1,0 +1,125 @@
+"""The configuration file (TOML, default /etc/bootseer/config.toml).
+
+Every section and key is declared here as a dataclass field; anything else in
+the file is an error naming the offending key, so a typo never silently
+falls back to a default. Command-line flags override the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PATH = Path("/etc/bootseer/config.toml")
+
+
+class ConfigError(Exception):
+    pass
+
+
+@dataclass
+class LogConfig:
+    # debug, info, warning, error
+    level: str = "info"
+    # "json" (production), "console" (readable), "auto" (console on a terminal)
+    format: str = "auto"
+
+
+@dataclass
+class SnapshotterConfig:
+    root: Path = Path("/var/lib/bootseer/snapshotter")
+    address: Path = Path("/run/bootseer/snapshotter.sock")
+    # host:port for Prometheus metrics; empty turns them off.
+    metrics_address: str = ""
+    # Serve indexed layers lazily through the FUSE layer server.
+    lazy: bool = True
+
+
+@dataclass
+class FsConfig:
+    """The FUSE layer server, and where the snapshotter finds it."""
+
+    # Layer indexes, block caches and the block index.
+    store: Path = Path("/var/lib/bootseer/layers")
+    # The single FUSE mount; short, because every lazy layer's path under it
+    # goes into an overlay lowerdir option that must fit in one page.
+    mountpoint: Path = Path("/var/lib/bootseer/m")
+    max_parallel_fetches: int = 8
+    metrics_address: str = ""
+
+
+@dataclass
+class RegistryConfig:
+    # containerd's hosts directory: certs.d/<host>/hosts.toml (mirrors, plain HTTP, CAs).
+    config_path: Path = Path("/etc/containerd/certs.d")
+    # Docker credentials file; empty means $DOCKER_CONFIG/config.json or ~/.docker/config.json.
+    docker_config: str = ""
+
+
+@dataclass
+class Config:
+    log: LogConfig = field(default_factory=LogConfig)
+    snapshotter: SnapshotterConfig = field(default_factory=SnapshotterConfig)
+    fs: FsConfig = field(default_factory=FsConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+_LOG_FORMATS = ("auto", "json", "console")
+
+
+def _build(cls: type, table: dict[str, Any], where: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, raw in table.items():
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown key {where}{key!r} (known: {known})")
+        default = getattr(cls(), key)
+        if dataclasses.is_dataclass(default):
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{where}{key} must be a table")
+            values[key] = _build(type(default), raw, f"{where}{key}.")
+        elif isinstance(default, Path):
+            if not isinstance(raw, str) or not raw:
+                raise ConfigError(f"{where}{key} must be a non-empty path string")
+            values[key] = Path(raw)
+        else:
+            if not isinstance(raw, type(default)):
+                raise ConfigError(
+                    f"{where}{key} must be a {type(default).__name__}, not {type(raw).__name__}"
+                )
+            values[key] = raw
+    return cls(**values)
+
+
+def parse(text: str, source: str = "<config>") -> Config:
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    try:
+        config: Config = _build(Config, table, "")
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    if config.log.level not in _LOG_LEVELS:
+        raise ConfigError(f"{source}: log.level must be one of {', '.join(_LOG_LEVELS)}")
+    if config.log.format not in _LOG_FORMATS:
+        raise ConfigError(f"{source}: log.format must be one of {', '.join(_LOG_FORMATS)}")
+    return config
+
+
+def load(path: Path | None) -> Config:
+    """Load `path`; with no path, the default file if it exists, else defaults."""
+    if path is None:
+        if not DEFAULT_PATH.exists():
+            return Config()
+        path = DEFAULT_PATH
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    return parse(text, str(path))

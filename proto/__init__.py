@@ -1,0 +1,1 @@
+"""containerd API definitions (.proto sources) and their generated Python stubs (`make proto`)."""

@@ -1,0 +1,1 @@
+"""The containerd proxy-plugin snapshotter: snapshot metadata, mounts and the gRPC service."""

@@ -1,0 +1,118 @@
+"""`bootseer snapshotter`: run the containerd proxy snapshotter daemon."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bootseer.cli import add_common_arguments, load_config, override
+from snapshotter.layer.index import DEFAULT_SPAN
+
+
+def _run(args: argparse.Namespace) -> int:
+    from snapshotter.server import serve
+
+    cfg = load_config(args)
+    override(cfg.snapshotter, args, root="root", address="address", metrics_address="metrics_address", lazy="lazy")
+    override(cfg.fs, args, store="fs_store", mountpoint="fs_mountpoint")
+    serve(cfg)
+    return 0
+
+
+def _run_layer_server(args: argparse.Namespace) -> int:
+    from snapshotter.fs.server import serve
+
+    cfg = load_config(args)
+    override(cfg.fs, args, store="store", mountpoint="mountpoint", metrics_address="metrics_address")
+    serve(cfg.fs, cfg.registry)
+    return 0
+
+
+def _run_index(args: argparse.Namespace) -> int:
+    from snapshotter.indexer import index_image
+    from snapshotter.registry.config import client_from_config
+    from snapshotter.registry.errors import RegistryError
+    from snapshotter.registry.reference import InvalidReference, parse as parse_reference
+
+    cfg = load_config(args)
+    client = client_from_config(cfg.registry, plain_http=args.plain_http)
+    try:
+        report = index_image(client, parse_reference(args.image), args.platform, args.span, not args.quiet)
+    except (RegistryError, InvalidReference) as exc:
+        print(f"bootseer index: {exc}", file=sys.stderr)
+        return 1
+    print(f"image manifest {report.manifest_digest}")
+    for digest in report.indexed:
+        print(f"  indexed  {digest}")
+    for digest in report.reused:
+        print(f"  already  {digest}")
+    for digest, why in report.skipped.items():
+        print(f"  skipped  {digest}: {why}")
+    if report.artifact_digest:
+        print(f"pushed index artifact {report.artifact_digest}")
+    else:
+        print("nothing new to index")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "snapshotter",
+        help="serve the containerd proxy snapshotter",
+        description=(
+            "Serve containerd's snapshots API on a unix socket. Register it in containerd's "
+            'config.toml as [proxy_plugins.bootseer] type = "snapshot" address = SOCKET.'
+        ),
+    )
+    add_common_arguments(parser)
+    parser.add_argument("--root", type=Path, help="state directory (snapshots and metadata)")
+    parser.add_argument(
+        "--no-lazy",
+        dest="lazy",
+        action="store_false",
+        default=None,
+        help="never serve layers lazily; unpack every layer the normal way",
+    )
+    parser.add_argument("--fs-store", type=Path, help="the layer store shared with the layer server")
+    parser.add_argument("--fs-mountpoint", type=Path, help="the layer server's mount")
+    parser.add_argument("--address", type=Path, help="unix socket to serve on")
+    parser.add_argument(
+        "--metrics-address", help="host:port to serve Prometheus metrics on; empty: off"
+    )
+    parser.set_defaults(func=_run)
+
+    layers = sub.add_parser(
+        "layer-server",
+        help="serve lazily pulled layers through one FUSE mount",
+        description=(
+            "Mount the FUSE layer server: every layer in the layer store appears as a "
+            "directory of the mount, its blocks fetched from the registry on first read. "
+            "Runs apart from the snapshotter so that restarting it leaves containers alone."
+        ),
+    )
+    add_common_arguments(layers)
+    layers.add_argument("--store", type=Path, help="layer store directory")
+    layers.add_argument("--mountpoint", type=Path, help="where to mount")
+    layers.add_argument("--metrics-address", help="host:port for Prometheus metrics; empty: off")
+    layers.set_defaults(func=_run_layer_server)
+
+    index = sub.add_parser(
+        "index",
+        help="index an image's layers for lazy pulling and push the index to its registry",
+        description=(
+            "Read each layer of IMAGE once, build its layer index (table of contents and "
+            "gzip checkpoints) and push the indexes as an OCI artifact whose subject is the "
+            "image manifest. Running it again only indexes what is missing."
+        ),
+    )
+    add_common_arguments(index)
+    index.add_argument("image", help="image reference, e.g. registry.example.com/team/train:v3")
+    index.add_argument("--plain-http", action="store_true", help="talk to the registry over HTTP")
+    index.add_argument("--platform", help="os/arch[/variant] of a multi-platform image (default: this host's)")
+    index.add_argument(
+        "--span", type=int, default=DEFAULT_SPAN,
+        help="uncompressed bytes per block, the unit of lazy fetching (default 4 MiB)",
+    )  # fmt: skip
+    index.add_argument("--quiet", action="store_true", help="no progress bars")
+    index.set_defaults(func=_run_index)

@@ -1,0 +1,235 @@
+"""The pyfuse3 filesystem: the mount's root lists every layer in the layer
+store by name; each layer directory is that layer's tree, read-only.
+
+Inode numbers: the mount root is 1; a layer loaded into slot S owns inodes
+S << 32 | n for its tree's inode n, so hardlinks within a layer share an
+inode and layers never collide.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyfuse3
+import structlog
+import trio
+
+from snapshotter.fs.blockindex import BlockIndex
+from snapshotter.fs.layers import CACHE, LayerSource, LayerStore
+from snapshotter.fs.reader import BlockUnavailable, LayerReader, RangeFetcher
+from snapshotter.layer.tree import ROOT, LayerTree, Node, build_tree
+
+log = structlog.get_logger("bootseer.fs")
+
+SLOT_SHIFT = 32
+# Layers never change, so the kernel may cache names and attributes for long.
+TIMEOUT = 3600.0
+BLOCK_SIZE = 4096
+
+
+@dataclass
+class _Layer:
+    slot: int
+    name: str
+    tree: LayerTree
+    reader: LayerReader
+
+
+class LayerFS(pyfuse3.Operations):
+    def __init__(
+        self,
+        store: LayerStore,
+        block_index: BlockIndex,
+        fetcher_for: Callable[[LayerSource], RangeFetcher],
+        max_parallel_fetches: int = 8,
+    ) -> None:
+        super().__init__()
+        self.store = store
+        self.block_index = block_index
+        self.fetcher_for = fetcher_for
+        self.layers_by_name: dict[str, _Layer] = {}
+        self.layers_by_slot: dict[int, _Layer] = {}
+        self.limiter = trio.CapacityLimiter(max_parallel_fetches)
+        self.load_lock = trio.Lock()
+
+    # -- layers -------------------------------------------------------------
+
+    async def _layer(self, name: str) -> _Layer | None:
+        layer = self.layers_by_name.get(name)
+        if layer is not None:
+            return layer
+        async with self.load_lock:
+            layer = self.layers_by_name.get(name)
+            if layer is None and name in await trio.to_thread.run_sync(self.store.names):
+                layer = await trio.to_thread.run_sync(self._load, name)
+        return layer
+
+    def _load(self, name: str) -> _Layer:
+        index, source = self.store.load(name)
+        slot = len(self.layers_by_slot) + 1
+        reader = LayerReader(
+            name,
+            index,
+            self.store.path(name) / CACHE,
+            self.block_index,
+            self.fetcher_for(source),
+            self.limiter,
+        )
+        layer = _Layer(slot, name, build_tree(index.entries), reader)
+        self.layers_by_name[name] = layer
+        self.layers_by_slot[slot] = layer
+        log.info("layer loaded", layer=name, slot=slot, blocks=len(index.blocks), cached=len(reader.cached))
+        return layer
+
+    def _resolve(self, inode: int) -> tuple[_Layer, Node]:
+        layer = self.layers_by_slot.get(inode >> SLOT_SHIFT)
+        node = layer.tree.nodes.get(inode & ((1 << SLOT_SHIFT) - 1)) if layer else None
+        if layer is None or node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return layer, node
+
+    # -- attributes ---------------------------------------------------------
+
+    def _attr(self, layer: _Layer, node: Node) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = (layer.slot << SLOT_SHIFT) | node.ino
+        attr.generation = 0
+        attr.entry_timeout = TIMEOUT
+        attr.attr_timeout = TIMEOUT
+        attr.st_mode = node.mode
+        attr.st_nlink = node.nlink
+        attr.st_uid = node.uid
+        attr.st_gid = node.gid
+        attr.st_rdev = node.rdev
+        attr.st_size = node.size
+        attr.st_blksize = BLOCK_SIZE
+        attr.st_blocks = (node.size + 511) // 512
+        mtime_ns = int(node.mtime * 1e9)
+        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = mtime_ns
+        return attr
+
+    def _root_attr(self) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = pyfuse3.ROOT_INODE
+        attr.st_mode = stat.S_IFDIR | 0o755
+        attr.st_nlink = 2
+        attr.st_blksize = BLOCK_SIZE
+        # The root's listing changes as layers arrive: do not let it be cached.
+        attr.entry_timeout = 0
+        attr.attr_timeout = 0
+        return attr
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+        if inode == pyfuse3.ROOT_INODE:
+            return self._root_attr()
+        return self._attr(*self._resolve(inode))
+
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+        if parent_inode == pyfuse3.ROOT_INODE:
+            layer = await self._layer(os.fsdecode(name))
+            if layer is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            return self._attr(layer, layer.tree.nodes[ROOT])
+        layer, node = self._resolve(parent_inode)
+        if name == b".":
+            return self._attr(layer, node)
+        child = layer.tree.lookup(node.ino, name)
+        if child is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attr(layer, child)
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        # Trees stay in memory for the mount's life; nothing to release.
+        return None
+
+    # -- directories --------------------------------------------------------
+
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if inode != pyfuse3.ROOT_INODE and not self._resolve(inode)[1].is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        if fh == pyfuse3.ROOT_INODE:
+            names = await trio.to_thread.run_sync(self.store.names)
+            for n, name in enumerate(names[start_id:], start_id + 1):
+                layer = await self._layer(name)
+                if layer is None:
+                    continue
+                if not pyfuse3.readdir_reply(token, name.encode(), self._attr(layer, layer.tree.nodes[ROOT]), n):
+                    return
+            return
+        layer, node = self._resolve(fh)
+        entries = sorted((node.children or {}).items())
+        for n, (name, ino) in enumerate(entries[start_id:], start_id + 1):
+            if not pyfuse3.readdir_reply(token, name, self._attr(layer, layer.tree.nodes[ino]), n):
+                return
+
+    async def releasedir(self, fh: int) -> None:
+        return None
+
+    # -- files --------------------------------------------------------------
+
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        _, node = self._resolve(inode)
+        if not stat.S_ISLNK(node.mode):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return node.target
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        _, node = self._resolve(inode)
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if not stat.S_ISREG(node.mode):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        layer, node = self._resolve(fh)
+        if off >= node.size:
+            return b""
+        length = min(size, node.size - off)
+        try:
+            return await layer.reader.read(node.offset + off, node.offset + off + length)
+        except BlockUnavailable:
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    async def release(self, fh: int) -> None:
+        return None
+
+    # -- xattrs and statfs --------------------------------------------------
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if inode == pyfuse3.ROOT_INODE:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        _, node = self._resolve(inode)
+        value = node.xattrs.get(os.fsdecode(name))
+        if value is None:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return value
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        if inode == pyfuse3.ROOT_INODE:
+            return []
+        _, node = self._resolve(inode)
+        return [os.fsencode(k) for k in node.xattrs]
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        # overlayfs refuses a lower layer whose filesystem cannot answer statfs.
+        data = pyfuse3.StatvfsData()
+        total = sum(layer.reader.index.uncompressed_size for layer in self.layers_by_slot.values())
+        data.f_bsize = data.f_frsize = BLOCK_SIZE
+        data.f_blocks = total // BLOCK_SIZE
+        data.f_bfree = data.f_bavail = 0
+        data.f_files = sum(len(layer.tree.nodes) for layer in self.layers_by_slot.values()) + 1
+        data.f_ffree = data.f_favail = 0
+        data.f_namemax = 255
+        return data
+
+    def close(self) -> None:
+        for layer in self.layers_by_slot.values():
+            layer.reader.close()

@@ -1,0 +1,23 @@
+"""Prometheus metrics of the FUSE layer server."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+READ_BYTES = Counter("bootseer_fs_read_bytes", "Bytes returned to FUSE reads.")
+BLOCK_READS = Counter(
+    "bootseer_fs_block_reads",
+    "Blocks touched by reads, by whether they were already cached.",
+    ["result"],
+)
+FETCHED_BLOCKS = Counter("bootseer_fs_fetched_blocks", "Blocks fetched from the registry.")
+FETCHED_BYTES = Counter("bootseer_fs_fetched_bytes", "Compressed bytes fetched from the registry.")
+FETCH_SECONDS = Histogram(
+    "bootseer_fs_fetch_seconds",
+    "Time of one Range request to the registry.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+VERIFY_FAILURES = Counter(
+    "bootseer_fs_verify_failures", "Blocks whose fetched bytes did not match the index."
+)
+FETCH_ERRORS = Counter("bootseer_fs_fetch_errors", "Block fetches that failed for good (EIO).")

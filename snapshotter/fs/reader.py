@@ -1,0 +1,154 @@
+"""Reads from one lazily served layer: cache hits are a pread; misses fetch
+their blocks (adjacent ones merged into one Range request), verify and
+decompress them, write them to the cache, then read.
+
+A block is fetched once however many readers want it: the first starts the
+fetch, the others wait for it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import trio
+
+from snapshotter.fs import metrics
+from snapshotter.fs.blockindex import BlockIndex, BlockRecord, BlockState
+from snapshotter.layer.blockmath import fetch_runs, split_run
+from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
+from snapshotter.layer.index import LayerIndex
+
+log = structlog.get_logger("bootseer.fs")
+
+# Fetch (start, end) of the layer blob: returns exactly end - start bytes.
+RangeFetcher = Callable[[int, int], bytes]
+
+# A verification failure is retried this many times before readers get EIO.
+VERIFY_ATTEMPTS = 2
+
+
+class BlockUnavailable(Exception):
+    """The block could not be fetched and verified; readers get EIO."""
+
+
+@dataclass
+class _Flight:
+    done: trio.Event = field(default_factory=trio.Event)
+    error: Exception | None = None
+
+
+class LayerReader:
+    def __init__(
+        self,
+        name: str,
+        index: LayerIndex,
+        cache_path: Path,
+        block_index: BlockIndex,
+        fetch: RangeFetcher,
+        fetch_limiter: trio.CapacityLimiter,
+    ) -> None:
+        self.name = name
+        self.index = index
+        self.block_index = block_index
+        self.fetch = fetch
+        self.decoder = BlockDecoder(index)
+        self.cached: set[int] = set(block_index.cached(name))
+        self.inflight: dict[int, _Flight] = {}
+        self.fd = os.open(cache_path, os.O_RDWR)
+        self.limiter = fetch_limiter
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.decoder.close()
+
+    async def read(self, start: int, end: int) -> bytes:
+        end = min(end, self.index.uncompressed_size)
+        if end <= start:
+            return b""
+        await self.ensure(self.index.block_range(start, end))
+        data = await trio.to_thread.run_sync(os.pread, self.fd, end - start, start)
+        metrics.READ_BYTES.inc(len(data))
+        return data
+
+    async def ensure(self, numbers: range | list[int]) -> None:
+        """Return once every block in `numbers` is cached; raise BlockUnavailable if one can't be."""
+        to_fetch: list[int] = []
+        waits: list[_Flight] = []
+        for n in numbers:
+            if n in self.cached:
+                metrics.BLOCK_READS.labels("hit").inc()
+                continue
+            metrics.BLOCK_READS.labels("miss").inc()
+            flight = self.inflight.get(n)
+            if flight is None:
+                flight = self.inflight[n] = _Flight()
+                to_fetch.append(n)
+            waits.append(flight)
+        if to_fetch:
+            async with trio.open_nursery() as nursery:
+                for run in fetch_runs(to_fetch, self.index.blocks):
+                    nursery.start_soon(self._fetch_run, run)
+        for flight in waits:
+            await flight.done.wait()
+            if flight.error is not None:
+                raise BlockUnavailable(str(flight.error)) from flight.error
+
+    async def _fetch_run(self, run: list[int]) -> None:
+        try:
+            for attempt in range(1, VERIFY_ATTEMPTS + 1):
+                try:
+                    await self._fetch_and_store(run)
+                    break
+                except BlockVerificationError as exc:
+                    metrics.VERIFY_FAILURES.inc()
+                    log.warning(
+                        "fetched block failed verification",
+                        layer=self.name, blocks=run, attempt=attempt, error=str(exc),
+                    )  # fmt: skip
+                    if attempt == VERIFY_ATTEMPTS:
+                        raise
+        except Exception as exc:
+            metrics.FETCH_ERRORS.inc()
+            log.error("block fetch failed", layer=self.name, blocks=run, error=str(exc))
+            for n in run:
+                self._land(n, None if n in self.cached else exc)
+            return
+        for n in run:
+            self._land(n, None)
+
+    def _land(self, number: int, error: Exception | None) -> None:
+        flight = self.inflight.pop(number)
+        flight.error = error
+        flight.done.set()
+
+    async def _fetch_and_store(self, run: list[int]) -> None:
+        blocks = self.index.blocks
+        start, end = blocks[run[0]].cstart, blocks[run[-1]].cend
+        async with self.limiter:
+            began = time.perf_counter()
+            data = await trio.to_thread.run_sync(self.fetch, start, end)
+            metrics.FETCH_SECONDS.observe(time.perf_counter() - began)
+        metrics.FETCHED_BYTES.inc(len(data))
+        if len(data) != end - start:
+            raise BlockVerificationError(f"range {start}-{end} answered with {len(data)} bytes")
+        for n, compressed in split_run(run, blocks, data).items():
+            await trio.to_thread.run_sync(self._store, n, compressed)
+            metrics.FETCHED_BLOCKS.inc()
+            self.cached.add(n)
+
+    def _store(self, number: int, compressed: bytes) -> None:
+        """Verify and decompress, write to the cache durably, then record it."""
+        block = self.index.blocks[number]
+        data = self.decoder.decode(number, compressed)
+        os.pwrite(self.fd, data, block.ustart)
+        os.fdatasync(self.fd)
+        self.block_index.put(
+            self.name,
+            number,
+            BlockRecord(block.cstart, block.cend, block.ustart, block.uend, block.ustart, BlockState.CACHED),
+        )

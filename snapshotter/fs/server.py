@@ -1,0 +1,83 @@
+"""The FUSE layer server process (`bootseer layer-server`).
+
+It runs apart from the snapshotter so that restarting the snapshotter leaves
+the mount, and every running container's lower layers, in place.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import prometheus_client
+import pyfuse3
+import structlog
+import trio
+
+from bootseer.config import FsConfig, RegistryConfig
+from snapshotter.fs.blockindex import BlockIndex
+from snapshotter.fs.layerfs import LayerFS
+from snapshotter.fs.layers import LayerSource, LayerStore
+from snapshotter.fs.reader import RangeFetcher
+from snapshotter.registry.config import client_from_config
+from snapshotter.registry.reference import parse as parse_reference
+
+log = structlog.get_logger("bootseer.fs")
+
+MOUNT_OPTIONS = ("fsname=bootseer", "subtype=bootseer", "ro", "allow_other", "default_permissions")
+
+
+def _clear_stale_mount(mountpoint: Path) -> None:
+    """A killed server leaves its mount behind, answering ENOTCONN; detach it."""
+    try:
+        os.stat(mountpoint)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno != errno.ENOTCONN:
+            raise
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False, capture_output=True)
+        log.warning("detached a stale mount", mountpoint=str(mountpoint))
+        return
+    if os.path.ismount(mountpoint):
+        raise SystemExit(f"{mountpoint} is already mounted: is another layer server running?")
+
+
+def serve(fs: FsConfig, registry: RegistryConfig) -> None:
+    store = LayerStore(fs.store)
+    block_index = BlockIndex(fs.store / "blocks.lmdb")
+    client = client_from_config(registry)
+
+    def fetcher_for(source: LayerSource) -> RangeFetcher:
+        ref = parse_reference(source.ref)
+        return lambda start, end: client.fetch_range(ref, source.digest, start, end)
+
+    ops = LayerFS(store, block_index, fetcher_for, fs.max_parallel_fetches)
+    _clear_stale_mount(fs.mountpoint)
+    fs.mountpoint.mkdir(parents=True, exist_ok=True)
+    options = set(pyfuse3.default_options) | set(MOUNT_OPTIONS)
+    pyfuse3.init(ops, str(fs.mountpoint), options)
+    if fs.metrics_address:
+        host, _, port = fs.metrics_address.rpartition(":")
+        prometheus_client.start_http_server(int(port), addr=host or "127.0.0.1")
+    log.info("serving layers", mountpoint=str(fs.mountpoint), store=str(fs.store))
+    try:
+        trio.run(_main)
+    finally:
+        pyfuse3.close(unmount=True)
+        ops.close()
+        block_index.close()
+        log.info("stopped")
+
+
+async def _main() -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pyfuse3.main)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("stopping", signal=signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                return

@@ -1,0 +1,116 @@
+"""`bootseer index IMAGE`: read each layer of an image once, build its layer
+index and push the indexes as an OCI artifact whose subject is the image
+manifest. Idempotent: layers already indexed are not read again."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+from tqdm import tqdm
+
+from snapshotter.layer import artifact
+from snapshotter.layer.build import UnsupportedLayer, build_index
+from snapshotter.layer.index import ARTIFACT_TYPE, DEFAULT_SPAN, LAYER_ANNOTATION, MEDIA_TYPE
+from snapshotter.registry import media
+from snapshotter.registry.client import RegistryClient
+from snapshotter.registry.media import Descriptor
+from snapshotter.registry.reference import Reference
+
+log = structlog.get_logger("bootseer.index")
+
+# Layer media types the index can describe; others (zstd) take the normal path.
+INDEXABLE = (media.OCI_LAYER, media.OCI_LAYER_GZIP, media.DOCKER_LAYER_GZIP)
+
+
+@dataclass
+class IndexReport:
+    manifest_digest: str
+    artifact_digest: str = ""
+    indexed: list[str] = field(default_factory=list)  # layers indexed by this run
+    reused: list[str] = field(default_factory=list)  # layers an earlier run indexed
+    skipped: dict[str, str] = field(default_factory=dict)  # layer -> why not lazily servable
+
+
+def _existing(client: RegistryClient, ref: Reference, manifest_digest: str) -> dict[str, Descriptor]:
+    """Index blobs already in the registry for this image, by layer digest."""
+    found: dict[str, Descriptor] = {}
+    for desc in client.referrers(ref, manifest_digest, artifact_type=ARTIFACT_TYPE):
+        data, media_type, _ = client.fetch_manifest(ref.with_digest(desc.digest))
+        parsed = media.parse(data, media_type)
+        if isinstance(parsed, media.Manifest) and parsed.subject and parsed.subject.digest == manifest_digest:
+            for layer in parsed.layers:
+                if LAYER_ANNOTATION in layer.annotations:
+                    found[layer.annotations[LAYER_ANNOTATION]] = layer
+    return found
+
+
+def index_image(
+    client: RegistryClient,
+    ref: Reference,
+    platform: str | None = None,
+    span: int = DEFAULT_SPAN,
+    show_progress: bool = True,
+) -> IndexReport:
+    image = client.resolve(ref, platform)
+    report = IndexReport(manifest_digest=image.manifest_digest)
+    existing = _existing(client, ref, image.manifest_digest)
+    blobs: list[Descriptor] = []
+    for layer in image.manifest.layers:
+        if layer.digest in existing:
+            report.reused.append(layer.digest)
+            blobs.append(existing[layer.digest])
+            continue
+        if layer.media_type not in INDEXABLE:
+            report.skipped[layer.digest] = f"media type {layer.media_type} cannot be indexed"
+            continue
+        try:
+            encoded = _index_layer(client, ref, layer, span, show_progress)
+        except UnsupportedLayer as exc:
+            report.skipped[layer.digest] = str(exc)
+            log.warning("layer cannot be served lazily", layer=layer.digest, reason=str(exc))
+            continue
+        desc = client.push_blob(ref, encoded, media_type=MEDIA_TYPE)
+        blobs.append(
+            Descriptor(MEDIA_TYPE, desc.digest, desc.size, annotations={LAYER_ANNOTATION: layer.digest})
+        )
+        report.indexed.append(layer.digest)
+    if not report.indexed:
+        # Nothing new: whatever artifact exists already says all we know.
+        return report
+    client.push_blob(ref, artifact.EMPTY_CONFIG, media_type=media.OCI_EMPTY)
+    manifest = artifact.build_manifest(image.manifest_descriptor, blobs)
+    report.artifact_digest = client.push_referrer(ref, manifest, media.OCI_MANIFEST, image.manifest_digest)
+    return report
+
+
+def _index_layer(
+    client: RegistryClient, ref: Reference, layer: Descriptor, span: int, show_progress: bool
+) -> bytes:
+    short = layer.digest.split(":")[1][:12]
+    with tempfile.TemporaryDirectory(prefix="bootseer-index-") as tmp:
+        blob = Path(tmp) / "blob"
+        with tqdm(
+            total=layer.size, unit="B", unit_scale=True, desc=f"fetch {short}",
+            disable=not show_progress, leave=False,
+        ) as bar:  # fmt: skip
+            with open(blob, "wb") as out:
+                client.fetch_blob(ref, layer.digest, out, progress=_advance(bar))
+        with tqdm(
+            total=layer.size, unit="B", unit_scale=True, desc=f"index {short}",
+            disable=not show_progress, leave=False,
+        ) as bar:  # fmt: skip
+            index = build_index(blob, layer.digest, span=span, progress=_advance(bar))
+    log.info(
+        "layer indexed",
+        layer=layer.digest, blocks=len(index.blocks), entries=len(index.entries),
+        uncompressed=index.uncompressed_size,
+    )  # fmt: skip
+    return index.encode()
+
+
+def _advance(bar: tqdm) -> Callable[[int], None]:
+    return lambda n: bar.update(n)

@@ -1,0 +1,32 @@
+"""What can go wrong talking to a registry. Every message names the
+registry host and repository and says what to try next."""
+
+from __future__ import annotations
+
+
+class RegistryError(Exception):
+    def __init__(self, message: str, *, host: str = "", repository: str = "") -> None:
+        self.host = host
+        self.repository = repository
+        where = f"{host}/{repository}" if repository else host
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+class NotFound(RegistryError):
+    """The manifest, tag or blob does not exist in that repository."""
+
+
+class Unauthorized(RegistryError):
+    """The registry refused our credentials (or wants some and we have none)."""
+
+
+class Unreachable(RegistryError):
+    """No answer after every retry: connection refused, reset or timed out."""
+
+
+class ServerError(RegistryError):
+    """The registry kept answering 5xx/429, or answered something unexpected."""
+
+
+class DigestMismatch(RegistryError):
+    """The bytes received do not hash to the digest asked for."""

@@ -1,0 +1,135 @@
+"""The remote (lazy) Prepare path: find a layer's index in the registry,
+hand the layer to the FUSE layer server, and tell containerd the layer
+already exists.
+
+Trust: the index is used only if it arrived through an artifact manifest
+fetched by digest whose `subject` is the pulled image's manifest, inside a
+blob whose digest that manifest lists, and if it describes exactly the layer
+containerd asked for. Anything else leaves the layer to the normal path.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
+from snapshotter.layer import artifact as artifact_mod
+from snapshotter.layer.index import ARTIFACT_TYPE, IndexFormatError, LayerIndex
+from snapshotter.registry import media
+from snapshotter.registry.reference import Reference, parse as parse_reference
+
+if TYPE_CHECKING:
+    from snapshotter.registry.client import RegistryClient
+
+log = structlog.get_logger("bootseer.snapshotter")
+
+TARGET_REF = "containerd.io/snapshot.ref"
+IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
+LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
+MANIFEST_DIGEST = "containerd.io/snapshot/cri.manifest-digest"
+# Marks the snapshots this path created, as stargz does.
+REMOTE_LABEL = "containerd.io/snapshot/remote"
+
+
+class NotLazy(Exception):
+    """Why a layer takes the normal path; the message goes to the log."""
+
+
+@dataclass(frozen=True)
+class LazyLayer:
+    path: Path  # the layer's directory in the FUSE mount
+    index: LayerIndex
+
+
+class RemoteLayers:
+    def __init__(
+        self, store: LayerStore, mountpoint: Path, client_factory: Callable[[], RegistryClient]
+    ) -> None:
+        self.store = store
+        self.mountpoint = mountpoint
+        self._client_factory = client_factory
+        self._client: RegistryClient | None = None
+        # Index blobs per image manifest: {layer digest: index blob descriptor digest}.
+        self._artifacts: dict[str, dict[str, str]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> RegistryClient:
+        """Made on first use: most nodes never pull a lazy image, and then no
+        credentials or hosts files are read."""
+        with self._lock:
+            if self._client is None:
+                self._client = self._client_factory()
+            return self._client
+
+    @staticmethod
+    def wanted(labels: dict[str, str]) -> bool:
+        return TARGET_REF in labels and LAYER_DIGEST in labels and IMAGE_REF in labels
+
+    def prepare(self, labels: dict[str, str]) -> LazyLayer:
+        if not os.path.ismount(self.mountpoint):
+            raise NotLazy(f"the FUSE layer server is not mounted at {self.mountpoint}")
+        layer_digest = labels[LAYER_DIGEST]
+        ref = parse_reference(labels[IMAGE_REF])
+        name = layer_name(layer_digest)
+        if self.store.has(layer_digest):
+            index, _ = self.store.load(name)
+        else:
+            index, encoded = self._fetch_index(ref, labels.get(MANIFEST_DIGEST, ""), layer_digest)
+            self.store.add(index, LayerSource(ref=ref.name, digest=layer_digest), encoded)
+        path = self.mountpoint / name
+        # Looking the layer up makes the server load it, and proves it serves it.
+        if not path.is_dir():
+            raise NotLazy(f"the layer server does not show layer {name} at {path}")
+        return LazyLayer(path=path, index=index)
+
+    def _fetch_index(self, ref: Reference, manifest_digest: str, layer_digest: str) -> tuple[LayerIndex, bytes]:
+        if not manifest_digest:
+            manifest_digest = self.client.resolve(ref).manifest_digest
+        blobs = self._index_blobs(ref, manifest_digest)
+        blob_digest = blobs.get(layer_digest)
+        if blob_digest is None:
+            raise NotLazy(f"the index artifact of {manifest_digest} has no entry for {layer_digest}")
+        buffer = io.BytesIO()
+        self.client.fetch_blob(ref, blob_digest, buffer)
+        encoded = buffer.getvalue()
+        try:
+            index = LayerIndex.decode(encoded)
+        except IndexFormatError as exc:
+            raise NotLazy(f"the index of {layer_digest} is unusable: {exc}") from None
+        if index.layer_digest != layer_digest:
+            raise NotLazy(f"the index {blob_digest} describes {index.layer_digest}, not {layer_digest}")
+        return index, encoded
+
+    def _index_blobs(self, ref: Reference, manifest_digest: str) -> dict[str, str]:
+        with self._lock:
+            cached = self._artifacts.get(manifest_digest)
+        if cached is not None:
+            return cached
+        referrers = self.client.referrers(ref, manifest_digest, artifact_type=ARTIFACT_TYPE)
+        if not referrers:
+            raise NotLazy(f"image {ref} ({manifest_digest}) has no bootseer index; run `bootseer index {ref}`")
+        # The newest index wins: each `bootseer index` run that found layers
+        # missing pushes a fuller artifact.
+        artifact = referrers[-1]
+        data, media_type, _ = self.client.fetch_manifest(ref.with_digest(artifact.digest))
+        parsed = media.parse(data, media_type)
+        if not isinstance(parsed, media.Manifest):
+            raise NotLazy(f"index artifact {artifact.digest} is not a manifest")
+        try:
+            blobs = artifact_mod.index_blobs(parsed, manifest_digest)
+        except ValueError as exc:
+            raise NotLazy(str(exc)) from None
+        with self._lock:
+            self._artifacts[manifest_digest] = blobs
+        return blobs
+
+

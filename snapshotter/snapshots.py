@@ -1,0 +1,348 @@
+"""The snapshotter proper: containerd's snapshot semantics over the metadata
+store and one directory per snapshot.
+
+Layout under the root (paths stay short because containerd passes every
+lower directory in one `lowerdir=` option that must fit in a page):
+
+    metadata.lmdb/          the metadata store
+    snapshots/<id>/fs       the snapshot's filesystem (overlay upper dir)
+    snapshots/<id>/work     overlay work dir
+
+Crash safety: a directory is created under a temporary name and renamed to
+its id inside the metadata transaction that records it; removal deletes the
+record first and the directory after. Whatever a kill -9 interrupts, the
+store is consistent and at worst a directory no snapshot owns is left, which
+`cleanup` removes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import structlog
+
+from snapshotter import filters
+from snapshotter.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from snapshotter.model import Kind, Snapshot, validate_key, validate_labels
+from snapshotter.mounts import Mount, snapshot_mounts
+from snapshotter.remote import REMOTE_LABEL, TARGET_REF, LazyLayer, RemoteLayers
+from snapshotter.store import MetadataStore, Txn
+from snapshotter.usage import Usage, disk_usage
+
+log = structlog.get_logger("bootseer.snapshotter")
+
+_INDEX_PARAM = Path("/sys/module/overlay/parameters/index")
+
+
+class Snapshotter:
+    def __init__(self, root: Path, remote: RemoteLayers | None = None) -> None:
+        self.root = root
+        self.snapshots_dir = root / "snapshots"
+        self.snapshots_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        self.store = MetadataStore(root / "metadata.lmdb")
+        # As containerd does: with the overlay index feature available, turn it
+        # off so that the same lower dirs can back many mounts.
+        self.overlay_options = ["index=off"] if _INDEX_PARAM.exists() else []
+        # One writer at a time; filesystem work happens under it too, so a
+        # directory never exists for a transaction that is still open elsewhere.
+        self._write_lock = threading.Lock()
+        self.remote = remote
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _dir(self, snap_id: int | str) -> Path:
+        return self.snapshots_dir / str(snap_id)
+
+    def fs_path(self, snap: Snapshot) -> Path:
+        return self._dir(snap.id) / "fs"
+
+    # -- creating ---------------------------------------------------------
+
+    def prepare(self, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
+        if self.remote is not None and RemoteLayers.wanted(labels):
+            self._try_remote(key, parent, labels)
+        return self._create(Kind.ACTIVE, key, parent, labels)
+
+    def _try_remote(self, key: str, parent: str, labels: dict[str, str]) -> None:
+        """Serve the layer lazily if its index is found: commit it under a
+        name of our own with the target label and raise AlreadyExists, which
+        tells containerd to skip the download. Returns only to fall back."""
+        assert self.remote is not None
+        target = labels[TARGET_REF]
+        # containerd finds the snapshot by label and parent; the name only has
+        # to be unique, per namespace like the keys containerd sends.
+        namespace = key.split("/", 1)[0] if "/" in key else ""
+        name = f"{namespace}/remote/{target}" if namespace else f"remote/{target}"
+        with self.store.read() as txn:
+            existing = txn.get(name)
+        if existing is not None and existing.parent == parent:
+            raise AlreadyExists(f"target snapshot {target!r} is already served lazily as {name!r}")
+        try:
+            lazy = self.remote.prepare(labels)
+            self._commit_remote(name, parent, {**labels, REMOTE_LABEL: "true"}, lazy)
+        except AlreadyExists:
+            raise
+        except Exception as exc:
+            log.info("layer takes the normal path", target=target, reason=str(exc))
+            return
+        log.info("layer served lazily", target=target, snapshot=name, layer=str(lazy.path))
+        raise AlreadyExists(f"target snapshot {target!r} is served lazily as {name!r}")
+
+    def _commit_remote(self, name: str, parent: str, labels: dict[str, str], lazy: LazyLayer) -> None:
+        def populate(staging: Path, _parent: Snapshot | None) -> None:
+            staging.mkdir(mode=0o700)
+            # The layer's files are the FUSE server's directory; a symlink
+            # keeps the overlay lowerdir path short.
+            os.symlink(lazy.path, staging / "fs")
+
+        validate_labels(labels)
+        self._insert(
+            Kind.COMMITTED, name, parent, labels, populate,
+            size=lazy.index.uncompressed_size, inodes=len(lazy.index.entries),
+        )  # fmt: skip
+
+    def view(self, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
+        return self._create(Kind.VIEW, key, parent, labels)
+
+    def _create(self, kind: Kind, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
+        validate_key("snapshot key", key)
+        validate_labels(labels)
+        return self._insert(kind, key, parent, labels, self._make_dirs)
+
+    def _insert(
+        self,
+        kind: Kind,
+        key: str,
+        parent: str,
+        labels: dict[str, str],
+        populate: Callable[[Path, Snapshot | None], None],
+        size: int = 0,
+        inodes: int = 0,
+    ) -> list[Mount]:
+        """Record a new snapshot and its directory, made by `populate` under a
+        staging name and renamed into place, in one transaction."""
+        with self._write_lock:
+            staging = self.snapshots_dir / f"new-{uuid.uuid4().hex[:12]}"
+            try:
+                with self.store.write() as txn:
+                    if txn.get(key) is not None:
+                        raise AlreadyExists(f"snapshot {key!r} already exists")
+                    parent_snap = self._committed_parent(txn, parent) if parent else None
+                    now = time.time_ns()
+                    snap = Snapshot(
+                        key=key,
+                        id=txn.allocate_id(),
+                        kind=kind,
+                        parent=parent,
+                        labels=dict(labels),
+                        created_ns=now,
+                        updated_ns=now,
+                        size=size,
+                        inodes=inodes,
+                    )
+                    populate(staging, parent_snap)
+                    final = self._dir(snap.id)
+                    if final.exists():
+                        # Left by a crash before its transaction committed.
+                        shutil.rmtree(final)
+                    os.rename(staging, final)
+                    txn.put(snap)
+                    return [] if kind == Kind.COMMITTED else self._mounts(txn, snap)
+            finally:
+                if staging.exists():
+                    shutil.rmtree(staging, ignore_errors=True)
+
+    def _committed_parent(self, txn: Txn, parent: str) -> Snapshot:
+        parent_snap = txn.get(parent)
+        if parent_snap is None:
+            raise NotFound(f"parent snapshot {parent!r} does not exist")
+        if parent_snap.kind != Kind.COMMITTED:
+            raise InvalidArgument(
+                f"parent {parent!r} is a {parent_snap.kind.filter_name} snapshot; "
+                "only committed snapshots can be parents"
+            )
+        return parent_snap
+
+    def _make_dirs(self, staging: Path, parent: Snapshot | None) -> None:
+        staging.mkdir(mode=0o700)
+        (staging / "fs").mkdir(mode=0o755)
+        (staging / "work").mkdir(mode=0o711)
+        os.chmod(staging / "fs", 0o755)
+        if parent is not None:
+            # The container's root directory takes its owner from the upper dir.
+            st = os.stat(self.fs_path(parent))
+            os.lchown(staging / "fs", st.st_uid, st.st_gid)
+
+    # -- reading ----------------------------------------------------------
+
+    def mounts(self, key: str) -> list[Mount]:
+        with self.store.read() as txn:
+            snap = self._get(txn, key)
+            if snap.kind == Kind.COMMITTED:
+                raise FailedPrecondition(
+                    f"snapshot {key!r} is committed; only active snapshots and views have "
+                    "mounts (prepare or view a child of it instead)"
+                )
+            return self._mounts(txn, snap)
+
+    def _mounts(self, txn: Txn, snap: Snapshot) -> list[Mount]:
+        lowers = [str(self.fs_path(p)) for p in txn.ancestors(snap)]
+        own = self._dir(snap.id)
+        return snapshot_mounts(
+            snap.kind, str(own / "fs"), str(own / "work"), lowers, self.overlay_options
+        )
+
+    def stat(self, key: str) -> Snapshot:
+        with self.store.read() as txn:
+            return self._get(txn, key)
+
+    def list(self, filter_texts: Sequence[str]) -> Iterator[Snapshot]:
+        parsed = filters.parse_all(filter_texts)
+        with self.store.read() as txn:
+            snaps = list(txn.all())
+        for snap in snaps:
+            if filters.matches_any(parsed, lambda path, s=snap: _field(s, path)):
+                yield snap
+
+    def usage(self, key: str) -> Usage:
+        snap = self.stat(key)
+        if snap.kind == Kind.COMMITTED:
+            return Usage(size=snap.size, inodes=snap.inodes)
+        if snap.kind == Kind.VIEW:
+            return Usage(size=0, inodes=0)
+        return disk_usage(self.fs_path(snap))
+
+    @staticmethod
+    def _get(txn: Txn, key: str) -> Snapshot:
+        validate_key("snapshot key", key)
+        snap = txn.get(key)
+        if snap is None:
+            raise NotFound(f"snapshot {key!r} does not exist")
+        return snap
+
+    # -- changing ---------------------------------------------------------
+
+    def commit(self, name: str, key: str, labels: dict[str, str]) -> Snapshot:
+        validate_key("commit name", name)
+        validate_labels(labels)
+        with self._write_lock:
+            active = self.stat(key)
+            if active.kind != Kind.ACTIVE:
+                raise FailedPrecondition(
+                    f"snapshot {key!r} is a {active.kind.filter_name} snapshot; "
+                    "only active snapshots can be committed"
+                )
+            # Measured outside the transaction: nothing writes to it any more.
+            used = disk_usage(self.fs_path(active))
+            with self.store.write() as txn:
+                if txn.get(name) is not None:
+                    raise AlreadyExists(f"snapshot {name!r} already exists")
+                txn.delete(active)
+                now = time.time_ns()
+                committed = Snapshot(
+                    key=name,
+                    id=active.id,
+                    kind=Kind.COMMITTED,
+                    parent=active.parent,
+                    labels=dict(labels),
+                    created_ns=now,
+                    updated_ns=now,
+                    size=used.size,
+                    inodes=used.inodes,
+                )
+                txn.put(committed)
+                return committed
+
+    def remove(self, key: str) -> None:
+        with self._write_lock:
+            with self.store.write() as txn:
+                snap = self._get(txn, key)
+                children = txn.children(key)
+                if children:
+                    raise FailedPrecondition(
+                        f"snapshot {key!r} has {len(children)} child snapshot(s) "
+                        f"(e.g. {children[0]!r}); remove them first"
+                    )
+                txn.delete(snap)
+            self._remove_dir(self._dir(snap.id))
+
+    def update(self, key: str, labels: dict[str, str], paths: Sequence[str]) -> Snapshot:
+        """Update labels. `paths` is the field mask: `labels` replaces them all,
+        `labels.<k>` sets (or, with no or an empty value, deletes) one; an empty
+        mask replaces all mutable fields, which are only the labels."""
+        validate_labels({k: v for k, v in labels.items() if v})
+        with self._write_lock, self.store.write() as txn:
+            snap = self._get(txn, key)
+            new_labels = dict(snap.labels)
+            for path in paths or ["labels"]:
+                if path == "labels":
+                    new_labels = {k: v for k, v in labels.items() if v}
+                elif path.startswith("labels.") and len(path) > len("labels."):
+                    label = path[len("labels.") :]
+                    if labels.get(label):
+                        new_labels[label] = labels[label]
+                    else:
+                        new_labels.pop(label, None)
+                else:
+                    raise InvalidArgument(
+                        f"cannot update field {path!r} of snapshot {key!r}: only "
+                        "'labels' and 'labels.<key>' are mutable"
+                    )
+            snap.labels = new_labels
+            snap.updated_ns = time.time_ns()
+            txn.put(snap)
+            return snap
+
+    def cleanup(self) -> list[str]:
+        """Remove directories under snapshots/ that no snapshot owns (left by
+        crashes or interrupted removals). Returns their names."""
+        with self._write_lock:
+            with self.store.read() as txn:
+                owned = {str(s.id) for s in txn.all()}
+            removed = []
+            for entry in sorted(os.listdir(self.snapshots_dir)):
+                if entry not in owned:
+                    shutil.rmtree(self.snapshots_dir / entry)
+                    removed.append(entry)
+            return removed
+
+    def _remove_dir(self, path: Path) -> None:
+        # Renamed first so that a removal cut short leaves a directory that is
+        # plainly nobody's, for cleanup to finish.
+        if not path.exists():
+            return
+        doomed = path.with_name(f"rm-{path.name}")
+        if doomed.exists():
+            shutil.rmtree(doomed)
+        os.rename(path, doomed)
+        shutil.rmtree(doomed)
+
+
+def _field(snap: Snapshot, path: Sequence[str]) -> tuple[str, bool]:
+    """Field lookup for filters, with containerd's field names and presence
+    rules: name, parent and kind are always present, so `parent==""` finds
+    snapshots without a parent (containerd asks exactly that after a remote
+    Prepare of a base layer)."""
+    head = path[0]
+    if head == "labels":
+        if len(path) == 1:
+            return "", bool(snap.labels)
+        label = ".".join(path[1:])
+        return snap.labels.get(label, ""), label in snap.labels
+    if len(path) > 1:
+        return "", False
+    if head == "name":
+        return snap.key, True
+    if head == "parent":
+        return snap.parent, True
+    if head == "kind":
+        return snap.kind.filter_name, True
+    return "", False

@@ -1,0 +1,118 @@
+"""A real FUSE mount of the layer server, run in a thread of the test process
+so tests can give it a blob source of their choosing and count what it
+fetches. (The registry path is covered end to end in tests/lazy.)"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import subprocess
+import tarfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyfuse3
+import pytest
+import trio
+
+from snapshotter.fs.blockindex import BlockIndex
+from snapshotter.fs.layerfs import LayerFS
+from snapshotter.fs.layers import LayerSource, LayerStore
+from snapshotter.layer.build import build_index
+from tests.harness.procs import wait_until
+
+
+@dataclass
+class Blob:
+    """A layer blob served to the FUSE server from memory, with a fault switch."""
+
+    data: bytes
+    fetched: list[tuple[int, int]] = field(default_factory=list)
+    corrupt: bool = False
+    down: bool = False
+
+    def fetch(self, start: int, end: int) -> bytes:
+        if self.down:
+            raise ConnectionError("registry unreachable")
+        self.fetched.append((start, end))
+        chunk = self.data[start:end]
+        if self.corrupt:
+            chunk = bytes([chunk[0] ^ 0xFF]) + chunk[1:]
+        return chunk
+
+    @property
+    def bytes_fetched(self) -> int:
+        return sum(e - s for s, e in self.fetched)
+
+
+@dataclass
+class Mounted:
+    mountpoint: Path
+    store: LayerStore
+    blobs: dict[str, Blob]
+    thread: threading.Thread
+
+    def layer(self, digest: str) -> Path:
+        return self.mountpoint / digest.split(":")[1]
+
+
+def make_layer(members: list[tuple[tarfile.TarInfo, bytes | None]], compress: bool = True) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    raw = buf.getvalue()
+    return gzip.compress(raw, 6, mtime=0) if compress else raw
+
+
+def add_layer(store: LayerStore, tmp: Path, blob: bytes, span: int) -> str:
+    digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+    path = tmp / digest.split(":")[1]
+    path.write_bytes(blob)
+    index = build_index(path, digest, span=span)
+    store.add(index, LayerSource(ref="127.0.0.1:1/test/layer", digest=digest), index.encode())
+    return digest
+
+
+@pytest.fixture
+def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
+    if os.geteuid() != 0:
+        pytest.skip("FUSE mounts need root here")
+    mounted: list[Mounted] = []
+
+    def mount(blobs: dict[str, Blob], store_dir: Path | None = None) -> Mounted:
+        store = LayerStore(store_dir or tmp_path / "store")
+        block_index = BlockIndex(store.root / "blocks.lmdb")
+        mountpoint = tmp_path / f"m{len(mounted)}"
+        mountpoint.mkdir()
+        ops = LayerFS(store, block_index, lambda source: blobs[source.digest].fetch)
+        pyfuse3.init(ops, str(mountpoint), ["fsname=bootseer-test", "ro", "default_permissions"])
+
+        def run() -> None:
+            try:
+                trio.run(pyfuse3.main)
+            finally:
+                pyfuse3.close(unmount=False)
+                ops.close()
+                block_index.close()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        wait_until(lambda: os.path.ismount(mountpoint), 10, "the FUSE mount")
+        m = Mounted(mountpoint, store, blobs, thread)
+        mounted.append(m)
+        return m
+
+    yield mount
+    for m in mounted:
+        unmount(m)
+
+
+def unmount(m: Mounted) -> None:
+    if os.path.ismount(m.mountpoint):
+        subprocess.run(["fusermount3", "-u", str(m.mountpoint)], check=True)
+    m.thread.join(timeout=10)

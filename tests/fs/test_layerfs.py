@@ -1,0 +1,141 @@
+"""The FUSE layer server over real mounts: the tree it shows, lazy block
+fetches, verification, and a cache that outlives the server."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+import stat
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.fs.conftest import Blob, Mounted, add_layer, make_layer, unmount
+
+SPAN = 256 << 10
+
+
+def info(name: str, kind: bytes = tarfile.REGTYPE, mode: int = 0o644, size: int = 0, **kw: object) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.mode, ti.size, ti.mtime = kind, mode, size, 1_700_000_000
+    for k, v in kw.items():
+        setattr(ti, k, v)
+    return ti
+
+
+def rich_layer() -> tuple[bytes, dict[str, bytes]]:
+    rng = random.Random(5)
+    files = {
+        "etc/config.json": b'{"a": 1}\n',
+        "data/big.bin": rng.randbytes(3 << 20),
+        "data/empty": b"",
+        "data/\u00fcber-\u6a21\u578b.txt": "non-ascii".encode(),
+        "deep/" + "d/" * 20 + "x" * 200: b"long",
+    }
+    members: list[tuple[tarfile.TarInfo, bytes | None]] = [
+        (info("./", tarfile.DIRTYPE, 0o755), None),
+        (info("etc", tarfile.DIRTYPE, 0o755), None),
+        (info("data", tarfile.DIRTYPE, 0o1777), None),
+        (info("bin", tarfile.DIRTYPE, 0o755), None),
+    ]
+    for name, data in files.items():
+        members.append((info(name, size=len(data), uid=1000, gid=1000), data))
+    members += [
+        (info("bin/tool", mode=0o4755, size=4), b"\x7fELF"),
+        (info("bin/tool-link", tarfile.LNKTYPE, linkname="bin/tool"), None),
+        (info("bin/rel", tarfile.SYMTYPE, 0o777, linkname="tool"), None),
+        (info("bin/dangling", tarfile.SYMTYPE, 0o777, linkname="/nope"), None),
+        (info("etc/.wh.removed"), None),
+        (info("opaque", tarfile.DIRTYPE, 0o755), None),
+        (info("opaque/.wh..wh..opq"), None),
+        (info("dev", tarfile.DIRTYPE, 0o755), None),
+        (info("dev/null", tarfile.CHRTYPE, 0o666, devmajor=1, devminor=3), None),
+    ]
+    x = info("etc/xattr", size=1)
+    x.pax_headers = {"SCHILY.xattr.user.team": "ml-infra"}
+    members.append((x, b"x"))
+    return make_layer(members), files
+
+
+def test_tree_matches_the_tar(mount_layers: Callable[..., Mounted], tmp_path: Path) -> None:
+    blob, files = rich_layer()
+    store_dir = tmp_path / "store"
+    from snapshotter.fs.layers import LayerStore
+
+    digest = add_layer(LayerStore(store_dir), tmp_path, blob, SPAN)
+    m = mount_layers({digest: Blob(blob)}, store_dir)
+    root = m.layer(digest)
+    assert os.listdir(m.mountpoint) == [digest.split(":")[1]]
+    for name, data in files.items():
+        st = os.lstat(root / name)
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1000, 1000, 0o644)
+        assert (root / name).read_bytes() == data
+    assert stat.S_IMODE(os.stat(root / "data").st_mode) == 0o1777
+    tool, link = os.stat(root / "bin/tool"), os.stat(root / "bin/tool-link")
+    assert tool.st_ino == link.st_ino and tool.st_nlink == 2
+    assert stat.S_IMODE(tool.st_mode) == 0o4755
+    assert os.readlink(root / "bin/rel") == "tool"
+    assert os.readlink(root / "bin/dangling") == "/nope"
+    whiteout = os.lstat(root / "etc/removed")
+    assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
+    assert os.getxattr(root / "opaque", "trusted.overlay.opaque") == b"y"
+    assert os.listdir(root / "opaque") == []
+    assert os.getxattr(root / "etc/xattr", "user.team") == b"ml-infra"
+    null = os.lstat(root / "dev/null")
+    assert stat.S_ISCHR(null.st_mode) and (os.major(null.st_rdev), os.minor(null.st_rdev)) == (1, 3)
+    with pytest.raises(OSError) as exc:
+        open(root / "etc/config.json", "r+b")
+    assert exc.value.errno in (errno.EROFS, errno.EACCES)
+    assert os.statvfs(root).f_bsize == 4096
+
+
+def test_reads_fetch_only_the_blocks_they_touch(mount_layers: Callable[..., Mounted], tmp_path: Path) -> None:
+    rng = random.Random(9)
+    big = rng.randbytes(8 << 20)
+    blob = make_layer([(info("small", size=5), b"hello"), (info("big", size=len(big)), big)])
+    from snapshotter.fs.layers import LayerStore
+
+    digest = add_layer(LayerStore(tmp_path / "store"), tmp_path, blob, SPAN)
+    source = Blob(blob)
+    m = mount_layers({digest: source}, tmp_path / "store")
+    assert (m.layer(digest) / "small").read_bytes() == b"hello"
+    assert 0 < source.bytes_fetched < len(blob) // 10
+    with open(m.layer(digest) / "big", "rb") as f:
+        f.seek(5 << 20)
+        assert f.read(4096) == big[5 << 20 : (5 << 20) + 4096]
+    assert source.bytes_fetched < len(blob) // 5
+    assert hashlib.sha256((m.layer(digest) / "big").read_bytes()).digest() == hashlib.sha256(big).digest()
+
+
+def test_corrupt_bytes_are_never_served_and_cache_survives_restart(
+    mount_layers: Callable[..., Mounted], tmp_path: Path
+) -> None:
+    rng = random.Random(11)
+    a, b = rng.randbytes(1 << 20), rng.randbytes(1 << 20)
+    blob = make_layer([(info("a", size=len(a)), a), (info("b", size=len(b)), b)])
+    from snapshotter.fs.layers import LayerStore
+
+    digest = add_layer(LayerStore(tmp_path / "store"), tmp_path, blob, SPAN)
+    source = Blob(blob)
+    m = mount_layers({digest: source}, tmp_path / "store")
+    assert (m.layer(digest) / "a").read_bytes() == a
+    source.corrupt = True
+    with pytest.raises(OSError) as exc:
+        (m.layer(digest) / "b").read_bytes()
+    assert exc.value.errno == errno.EIO
+    unmount(m)
+
+    # A new server on the same store: what was cached is served with the
+    # registry down; the rest is EIO until the registry is back.
+    source.corrupt, source.down = False, True
+    again = mount_layers({digest: source}, tmp_path / "store")
+    assert (again.layer(digest) / "a").read_bytes() == a
+    with pytest.raises(OSError) as exc:
+        (again.layer(digest) / "b").read_bytes()
+    assert exc.value.errno == errno.EIO
+    source.down = False
+    assert (again.layer(digest) / "b").read_bytes() == b

@@ -1,0 +1,237 @@
+"""A private containerd, wired to a proxy snapshotter, driven through `ctr`.
+
+Root, state and sockets live in one short temp dir: containerd's own
+overlayfs snapshotter puts per-layer paths into the overlay `lowerdir=`
+option, which must fit in one page.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.harness.procs import Daemon, kill_pid, start_daemon, unix_socket_answers, wait_until
+from tests.harness.tree import unmount_under
+
+CONTAINERD_BIN = "containerd"
+CTR_BIN = "ctr"
+NAMESPACE = "bootseer-test"
+PROXY_NAME = "bootseer"
+# ctr commands are short; this only bounds a hung daemon.
+CTR_TIMEOUT = 180.0
+
+# Plugins that cannot work here (or are not needed) and only add start-up
+# time and log noise.
+DISABLED_PLUGINS = (
+    "io.containerd.grpc.v1.cri",
+    "io.containerd.snapshotter.v1.aufs",
+    "io.containerd.snapshotter.v1.btrfs",
+    "io.containerd.snapshotter.v1.devmapper",
+    "io.containerd.snapshotter.v1.zfs",
+)
+
+
+class CtrError(RuntimeError):
+    """A `ctr` command failed; carries the command line and its stderr."""
+
+    def __init__(self, result: subprocess.CompletedProcess[str]) -> None:
+        self.result = result
+        super().__init__(
+            f"`{' '.join(result.args)}` exited with {result.returncode}\n"
+            f"stdout: {result.stdout.strip()}\nstderr: {result.stderr.strip()}"
+        )
+
+
+def config_toml(root: Path, state: Path, address: Path, snapshotter_address: Path) -> str:
+    disabled = ", ".join(f'"{p}"' for p in DISABLED_PLUGINS)
+    return f"""version = 2
+root = "{root}"
+state = "{state}"
+disabled_plugins = [{disabled}]
+
+[grpc]
+  address = "{address}"
+
+[ttrpc]
+  address = "{address}.ttrpc"
+
+[debug]
+  address = ""
+  level = "debug"
+
+[metrics]
+  address = ""
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{root}/opt"
+
+[proxy_plugins.{PROXY_NAME}]
+  type = "snapshot"
+  address = "{snapshotter_address}"
+"""
+
+
+@dataclass(frozen=True)
+class SnapshotRow:
+    parent: str  # "" for a bottom layer
+    kind: str  # "Committed", "Active" or "View"
+
+
+@dataclass
+class Containerd:
+    daemon: Daemon
+    workdir: Path
+    namespace: str = NAMESPACE
+
+    @property
+    def root(self) -> Path:
+        return self.workdir / "root"
+
+    @property
+    def state(self) -> Path:
+        return self.workdir / "state"
+
+    @property
+    def address(self) -> Path:
+        return self.workdir / "containerd.sock"
+
+    def ctr(
+        self, *args: str, check: bool = True, timeout: float = CTR_TIMEOUT
+    ) -> subprocess.CompletedProcess[str]:
+        """`ctr --address SOCK --namespace NS ARGS...`; raises CtrError on failure if `check`."""
+        result = subprocess.run(
+            [CTR_BIN, "--address", str(self.address), "--namespace", self.namespace, *args],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and result.returncode != 0:
+            raise CtrError(result)
+        return result
+
+    def task_rootfs(self, container_id: str) -> Path:
+        """Where the runc shim mounted a running task's rootfs, seen from the host."""
+        bundle = self.state / "io.containerd.runtime.v2.task" / self.namespace / container_id
+        return bundle / "rootfs"
+
+    def pull(self, ref: str, snapshotter: str = PROXY_NAME) -> None:
+        """`ctr images pull` over plain HTTP, unpacking into `snapshotter`."""
+        self.ctr("images", "pull", "--plain-http", "--snapshotter", snapshotter, ref)
+
+    def run(
+        self,
+        image: str,
+        container_id: str,
+        *argv: str,
+        detach: bool = False,
+        snapshotter: str = PROXY_NAME,
+    ) -> str:
+        """`ctr run --rm` (or `-d` if `detach`) of `argv`; returns its stdout."""
+        mode = "-d" if detach else "--rm"
+        args = ("run", mode, "--snapshotter", snapshotter, image, container_id, *argv)
+        return self.ctr(*args).stdout
+
+    def exec(self, container_id: str, exec_id: str, *argv: str) -> str:
+        """`ctr tasks exec` in a running container; returns its stdout."""
+        return self.ctr("tasks", "exec", "--exec-id", exec_id, container_id, *argv).stdout
+
+    def wait_snapshotter(self, name: str = PROXY_NAME, timeout: float = 30.0) -> None:
+        """Wait until containerd can reach the snapshotter `name` again.
+
+        containerd's gRPC client to a proxy plugin fails calls fast while it
+        backs off after losing the connection, so a restarted snapshotter is
+        not usable through containerd the moment its socket answers. The
+        probe is a real round trip (Prepare + Remove of a scratch snapshot):
+        `ctr snapshots ls` only reads containerd's own metadata.
+        """
+        probe = f"readiness-probe-{uuid.uuid4().hex[:8]}"
+
+        def reachable() -> bool:
+            prepare = self.ctr("snapshots", "--snapshotter", name, "prepare", probe, check=False)
+            if prepare.returncode != 0:
+                return False
+            self.ctr("snapshots", "--snapshotter", name, "rm", probe)
+            return True
+
+        wait_until(reachable, timeout, f"containerd to reach snapshotter {name}", self.daemon)
+
+    def snapshots(self, snapshotter: str = PROXY_NAME) -> dict[str, SnapshotRow]:
+        """`ctr snapshots ls` parsed: key -> (parent, kind)."""
+        rows: dict[str, SnapshotRow] = {}
+        listing = self.ctr("snapshots", "--snapshotter", snapshotter, "ls").stdout
+        for line in listing.splitlines()[1:]:
+            fields = line.split()
+            # A snapshot without parent leaves the middle column blank.
+            key, parent, kind = fields if len(fields) == 3 else (fields[0], "", fields[1])
+            rows[key] = SnapshotRow(parent=parent, kind=kind)
+        return rows
+
+    def remove_container(self, container_id: str, check: bool = True) -> None:
+        """Kill its task if any, delete the task, remove the container (and its snapshot)."""
+        # A container may have no task (never started, or already deleted),
+        # so only the final removal is checked.
+        self.ctr("tasks", "kill", "-s", "SIGKILL", container_id, check=False)
+        # --force deletes the task even if the kill has not been reaped yet.
+        self.ctr("tasks", "delete", "--force", container_id, check=False)
+        self.ctr("containers", "rm", container_id, check=check)
+
+    def _remove_all_containers(self) -> None:
+        for container_id in self.ctr("containers", "ls", "-q", check=False).stdout.split():
+            self.remove_container(container_id, check=False)
+
+    def _kill_leftover_shims(self) -> None:
+        """Kill shims (and their containers) containerd no longer manages.
+
+        They outlive containerd by design; their PIDs are in the task
+        bundles, so they can be stopped by PID rather than by name.
+        """
+        tasks = self.state / "io.containerd.runtime.v2.task"
+        for pid_file in [*tasks.glob("*/*/init.pid"), *tasks.glob("*/*/shim.pid")]:
+            try:
+                pid = int(pid_file.read_text().strip())
+            except (OSError, ValueError):
+                continue
+            kill_pid(pid, grace=2.0)
+
+    def stop(self) -> list[str]:
+        """Tear everything down; returns mounts that could not be removed."""
+        if self.daemon.alive():
+            self._remove_all_containers()
+        self.daemon.stop()
+        self.daemon.kill_group()
+        self._kill_leftover_shims()
+        leftovers = unmount_under(self.workdir)
+        # rmtree would descend into a mount that is still there and delete
+        # what it serves; leave the dir for a human instead.
+        if not leftovers:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return leftovers
+
+
+def start_containerd(snapshotter_address: Path) -> Containerd:
+    workdir = Path(tempfile.mkdtemp(prefix="bs-", dir="/tmp"))
+    root, state, address = workdir / "root", workdir / "state", workdir / "containerd.sock"
+    config = workdir / "config.toml"
+    config.write_text(config_toml(root, state, address, snapshotter_address))
+
+    def ready() -> bool:
+        if not unix_socket_answers(address):
+            return False
+        version = subprocess.run(
+            [CTR_BIN, "--address", str(address), "version"], capture_output=True, timeout=10
+        )
+        return version.returncode == 0
+
+    try:
+        argv = [CONTAINERD_BIN, "--config", str(config)]
+        daemon = start_daemon("containerd", argv, workdir / "containerd.log", ready)
+    except BaseException:
+        if not unmount_under(workdir):
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    return Containerd(daemon=daemon, workdir=workdir)

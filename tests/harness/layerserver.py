@@ -1,0 +1,112 @@
+"""The bootseer FUSE layer server as a process, plus the config file that
+points it and the snapshotter at the same layer store, mount and registry
+hosts directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.harness.procs import Daemon, start_daemon, wait_until
+from tests.harness.snapshotter import BOOTSEER_BIN
+from tests.harness.tree import unmount_under
+
+
+@dataclass
+class LazyConfig:
+    """A bootseer config.toml for one node: layer store, mount, registry hosts."""
+
+    workdir: Path
+    plain_http_hosts: list[str] = field(default_factory=list)
+
+    @property
+    def path(self) -> Path:
+        return self.workdir / "config.toml"
+
+    @property
+    def store(self) -> Path:
+        return self.workdir / "layers"
+
+    @property
+    def mountpoint(self) -> Path:
+        return self.workdir / "m"
+
+    @property
+    def certs_dir(self) -> Path:
+        return self.workdir / "certs.d"
+
+    def write(self) -> Path:
+        for host in self.plain_http_hosts:
+            hosts = self.certs_dir / host / "hosts.toml"
+            hosts.parent.mkdir(parents=True, exist_ok=True)
+            hosts.write_text(f'server = "http://{host}"\n[host."http://{host}"]\n  capabilities = ["pull", "resolve", "push"]\n')
+        self.path.write_text(
+            f"""[log]
+level = "debug"
+format = "console"
+
+[fs]
+store = "{self.store}"
+mountpoint = "{self.mountpoint}"
+
+[registry]
+config_path = "{self.certs_dir}"
+"""
+        )
+        return self.path
+
+
+@dataclass
+class LayerServer:
+    config: LazyConfig
+    incarnations: list[Daemon] = field(default_factory=list)
+
+    @property
+    def daemon(self) -> Daemon:
+        return self.incarnations[-1]
+
+    def start(self) -> None:
+        argv = [str(BOOTSEER_BIN), "layer-server", "--config", str(self.config.path)]
+        number = len(self.incarnations) + 1
+        self.incarnations.append(
+            start_daemon(
+                f"bootseer layer-server #{number}",
+                argv,
+                self.config.workdir / f"layer-server.{number}.log",
+                ready=lambda: os.path.ismount(self.config.mountpoint),
+            )
+        )
+
+    def stop(self) -> None:
+        self.daemon.stop()
+        wait_until(lambda: not os.path.ismount(self.config.mountpoint), 10, "the layer mount to go")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {d.name} ---\n{d.log_tail()}" for d in self.incarnations)
+
+    def teardown(self) -> list[str]:
+        for daemon in self.incarnations:
+            daemon.stop()
+            daemon.kill_group()
+        if os.path.ismount(self.config.mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.config.mountpoint)], check=False)
+        leftovers = unmount_under(self.config.workdir)
+        if not leftovers:
+            shutil.rmtree(self.config.workdir, ignore_errors=True)
+        return leftovers
+
+
+def start_layer_server(plain_http_hosts: list[str]) -> LayerServer:
+    config = LazyConfig(Path(tempfile.mkdtemp(prefix="bs-fs-", dir="/tmp")), plain_http_hosts)
+    config.write()
+    server = LayerServer(config)
+    try:
+        server.start()
+    except BaseException:
+        server.teardown()
+        raise
+    return server

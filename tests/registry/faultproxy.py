@@ -1,0 +1,165 @@
+"""A fault-injecting HTTP proxy that sits in front of a real docker-registry.
+
+It forwards every request to the registry unchanged except when a planned
+fault matches: drop the connection, answer a status itself, strip the Range
+header, truncate or corrupt the body, or redirect elsewhere. It records
+each request (method, path, headers) so tests can see what the client sent.
+"""
+
+from __future__ import annotations
+
+import http.client
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from tests.harness.procs import free_tcp_port
+
+FAULTS = ("drop", "status", "strip_range", "truncate", "flip", "redirect")
+
+
+@dataclass
+class Fault:
+    kind: str
+    method: str = "GET"
+    path_contains: str = ""
+    times: int = 1  # how many matching requests it hits
+    status: int = 503
+    redirect_to: str = ""  # "http://127.0.0.1:PORT", the path is kept
+
+    def matches(self, method: str, path: str) -> bool:
+        return self.times > 0 and method == self.method and self.path_contains in path
+
+
+@dataclass(frozen=True)
+class Seen:
+    method: str
+    path: str
+    headers: dict[str, str]
+    fault: str = ""
+
+
+@dataclass
+class FaultProxy:
+    upstream_port: int
+    port: int = field(default_factory=free_tcp_port)
+    faults: list[Fault] = field(default_factory=list)
+    seen: list[Seen] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def plan(self, kind: str, path_contains: str = "", *, method: str = "GET", times: int = 1,
+             status: int = 503, redirect_to: str = "") -> None:
+        if kind not in FAULTS:
+            raise ValueError(f"unknown fault {kind!r}")
+        with self._lock:
+            self.faults.append(Fault(kind, method, path_contains, times, status, redirect_to))
+
+    def reset(self) -> None:
+        with self._lock:
+            self.faults.clear()
+            self.seen.clear()
+
+    def take_fault(self, method: str, path: str) -> Fault | None:
+        with self._lock:
+            for fault in self.faults:
+                if fault.matches(method, path):
+                    fault.times -= 1
+                    return fault
+        return None
+
+    def record(self, seen: Seen) -> None:
+        with self._lock:
+            self.seen.append(seen)
+
+    def requests(self, method: str | None = None, path_contains: str = "") -> list[Seen]:
+        with self._lock:
+            return [s for s in self.seen if (method is None or s.method == method) and path_contains in s.path]
+
+
+def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+        def _relay(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else b""
+            headers = {k: v for k, v in self.headers.items()}
+            fault = proxy.take_fault(self.command, self.path)
+            proxy.record(Seen(self.command, self.path, headers, fault.kind if fault else ""))
+            if fault is not None and fault.kind == "drop":
+                self.close_connection = True
+                return
+            if fault is not None and fault.kind == "status":
+                self._answer(fault.status, {"Content-Length": "0"}, b"")
+                return
+            if fault is not None and fault.kind == "redirect":
+                self._answer(307, {"Location": fault.redirect_to + self.path, "Content-Length": "0"}, b"")
+                return
+            if fault is not None and fault.kind == "strip_range":
+                headers.pop("Range", None)
+            upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
+            try:
+                upstream.request(self.command, self.path, body=body or None, headers=headers)
+                response = upstream.getresponse()
+                data = response.read()
+                out_headers = {k: v for k, v in response.getheaders() if k.lower() not in ("transfer-encoding", "connection")}
+            finally:
+                upstream.close()
+            if fault is not None and fault.kind == "flip" and data:
+                middle = len(data) // 2
+                data = data[:middle] + bytes([data[middle] ^ 0x01]) + data[middle + 1 :]
+            if self.command != "HEAD":
+                out_headers["Content-Length"] = str(len(data))
+            if fault is not None and fault.kind == "truncate" and len(data) > 1:
+                # Announce the full length, send half, hang up: a broken transfer.
+                self._answer(response.status, out_headers, data[: len(data) // 2])
+                self.close_connection = True
+                return
+            self._answer(response.status, out_headers, data)
+
+        def _answer(self, status: int, headers: dict[str, str], data: bytes) -> None:
+            self.send_response_only(status)
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.end_headers()
+            if self.command != "HEAD" and data:
+                self.wfile.write(data)
+            self.wfile.flush()
+
+        do_GET = do_HEAD = do_PUT = do_POST = do_PATCH = do_DELETE = _relay
+
+    return Handler
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A client that hangs up early (a sliced whole-body answer) is expected.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
+@contextmanager
+def running(upstream_port: int) -> Iterator[FaultProxy]:
+    """A proxy on a free 127.0.0.1 port in front of 127.0.0.1:`upstream_port`."""
+    proxy = FaultProxy(upstream_port=upstream_port)
+    server = _QuietServer(("127.0.0.1", proxy.port), _handler(proxy))
+    thread = threading.Thread(target=server.serve_forever, name="fault-proxy", daemon=True)
+    thread.start()
+    try:
+        yield proxy
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)

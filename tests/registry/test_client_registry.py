@@ -1,0 +1,298 @@
+"""RegistryClient against a real docker-registry 2.8, directly, through a
+fault proxy in front of it, through hosts.toml, and with htpasswd auth."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+from snapshotter.registry import (
+    DigestMismatch,
+    NotFound,
+    RegistryClient,
+    ServerError,
+    Unauthorized,
+    Unreachable,
+    parse_reference,
+    referrers_tag,
+)
+from snapshotter.registry import media
+from tests.harness.oci import PushedImage, write_layout
+from tests.harness.procs import free_tcp_port
+from tests.harness.registry import Registry
+from tests.registry import faultproxy
+from tests.registry.conftest import AuthRegistry, sample_layers
+from tests.registry.faultproxy import FaultProxy
+
+pytestmark = pytest.mark.integration
+
+
+def _blob(pushed: PushedImage, digest: str) -> bytes:
+    return (pushed.layout.directory / "blobs" / "sha256" / digest.removeprefix("sha256:")).read_bytes()
+
+
+def _client(**kwargs: object) -> RegistryClient:
+    # A short backoff keeps retry tests quick; the schedule is the same.
+    return RegistryClient(plain_http=True, backoff=0.01, **kwargs)  # type: ignore[arg-type]
+
+
+def _at(proxy: FaultProxy, pushed: PushedImage) -> str:
+    """`pushed`'s reference, reached through the proxy."""
+    return pushed.ref.replace(pushed.ref.split("/")[0], proxy.host, 1)
+
+
+def test_resolve_fetch_and_range(pushed: PushedImage) -> None:
+    with _client() as client:
+        image = client.resolve(parse_reference(pushed.ref))
+        assert image.media_type == media.OCI_MANIFEST and image.index_digest is None
+        assert len(image.manifest.layers) == 2
+        big = image.manifest.layers[1]
+        blob = _blob(pushed, big.digest)
+        out = io.BytesIO()
+        seen: list[int] = []
+        client.fetch_blob(image.ref, big.digest, out, progress=seen.append)
+        assert out.getvalue() == blob and sum(seen) == len(blob)
+        assert client.fetch_range(image.ref, big.digest, 100, 5000) == blob[100:5000]
+        assert client.fetch_range(image.ref, big.digest, len(blob) - 7, len(blob)) == blob[-7:]
+        assert client.blob_exists(image.ref, big.digest)
+        assert not client.blob_exists(image.ref, "sha256:" + "0" * 64)
+        data, media_type, digest = client.fetch_manifest(image.ref.with_digest(image.manifest_digest))
+        assert digest == image.manifest_digest and data == image.manifest_bytes
+
+
+def test_not_found_names_host_and_repository(registry: Registry) -> None:
+    with _client() as client:
+        with pytest.raises(NotFound) as info:
+            client.resolve(parse_reference(f"{registry.host}/nope/missing:v1"))
+    assert registry.host in str(info.value) and "nope/missing" in str(info.value)
+
+
+def test_range_sent_and_whole_body_answer_sliced(proxy: FaultProxy, pushed: PushedImage) -> None:
+    ref = parse_reference(_at(proxy, pushed))
+    with _client() as client:
+        layer = client.resolve(ref).manifest.layers[1]
+        blob = _blob(pushed, layer.digest)
+        assert client.fetch_range(ref, layer.digest, 10, 20) == blob[10:20]
+        assert proxy.requests("GET", "/blobs/")[-1].headers.get("Range") == "bytes=10-19"
+        proxy.plan("strip_range", "/blobs/")
+        assert client.fetch_range(ref, layer.digest, 4096, 70000) == blob[4096:70000]
+        assert proxy.requests("GET", "/blobs/")[-1].fault == "strip_range"
+
+
+def test_retries_dropped_connections_and_503(proxy: FaultProxy, pushed: PushedImage) -> None:
+    ref = parse_reference(_at(proxy, pushed))
+    proxy.plan("drop", "/manifests/", times=2)
+    proxy.plan("status", "/blobs/", status=503)
+    proxy.plan("status", "/blobs/", status=429)
+    with _client() as client:
+        image = client.resolve(ref)
+        out = io.BytesIO()
+        client.fetch_blob(ref, image.manifest.layers[0].digest, out)
+    assert out.getvalue() == _blob(pushed, image.manifest.layers[0].digest)
+    faults = [s.fault for s in proxy.requests("GET")]
+    assert faults.count("drop") == 2 and "status" in faults
+
+
+def test_truncated_body_resumes_with_range(proxy: FaultProxy, pushed: PushedImage) -> None:
+    ref = parse_reference(_at(proxy, pushed))
+    with _client() as client:
+        layer = client.resolve(ref).manifest.layers[1]
+        proxy.plan("truncate", "/blobs/")
+        out = io.BytesIO()
+        client.fetch_blob(ref, layer.digest, out)
+        assert out.getvalue() == _blob(pushed, layer.digest)
+        resumed = proxy.requests("GET", "/blobs/")[-1]
+        assert resumed.headers.get("Range", "").startswith("bytes=") and resumed.fault == ""
+        proxy.plan("truncate", "/blobs/")
+        assert client.fetch_range(ref, layer.digest, 0, 200000) == _blob(pushed, layer.digest)[:200000]
+
+
+def test_flipped_bit_is_never_returned(proxy: FaultProxy, pushed: PushedImage) -> None:
+    ref = parse_reference(_at(proxy, pushed))
+    with _client() as client:
+        image = client.resolve(ref)
+        layer = image.manifest.layers[1]
+        proxy.plan("flip", "/blobs/")
+        out = io.BytesIO()
+        client.fetch_blob(ref, layer.digest, out)  # seekable: refetched after the mismatch
+        assert out.getvalue() == _blob(pushed, layer.digest)
+        proxy.plan("flip", "/blobs/", times=10)
+
+        class Pipe(io.RawIOBase):
+            def writable(self) -> bool:
+                return True
+
+            def seekable(self) -> bool:
+                return False
+
+            def write(self, b: bytes) -> int:  # type: ignore[override]
+                return len(b)
+
+        with pytest.raises(DigestMismatch, match=layer.digest):
+            client.fetch_blob(ref, layer.digest, Pipe())  # type: ignore[arg-type]
+        proxy.plan("flip", "/manifests/", times=1)
+        with pytest.raises(DigestMismatch):
+            client.fetch_manifest(ref.with_digest(image.manifest_digest))
+
+
+def test_gives_up_after_bounded_retries(proxy: FaultProxy, pushed: PushedImage) -> None:
+    ref = parse_reference(_at(proxy, pushed))
+    proxy.plan("drop", "/manifests/", times=100)
+    with _client(retries=2) as client, pytest.raises(Unreachable) as info:
+        client.resolve(ref)
+    assert len(proxy.requests("GET", "/manifests/")) == 3
+    assert proxy.host in str(info.value) and "regtest/sample" in str(info.value)
+    proxy.reset()
+    proxy.plan("status", "/manifests/", times=100, status=502)
+    with _client(retries=1) as client, pytest.raises(ServerError, match="HTTP 502"):
+        client.resolve(ref)
+    with _client(retries=1) as client, pytest.raises(Unreachable):
+        client.resolve(parse_reference(f"127.0.0.1:{free_tcp_port()}/a/b:v1"))
+
+
+def test_plain_http_and_mirror_via_hosts_toml(tmp_path: Path, proxy: FaultProxy, pushed: PushedImage,
+                                               registry: Registry) -> None:
+    ref = parse_reference(pushed.ref)
+    with RegistryClient(certs_dir=tmp_path, retries=0) as client, pytest.raises(Unreachable):
+        client.resolve(ref)  # https to a plain-http registry fails
+    host_dir = tmp_path / registry.host
+    host_dir.mkdir()
+    (host_dir / "hosts.toml").write_text(f'server = "http://{registry.host}"\n')
+    with RegistryClient(certs_dir=tmp_path) as client:
+        assert client.resolve(ref).manifest_digest
+    dead = free_tcp_port()
+    (host_dir / "hosts.toml").write_text(
+        f'server = "http://{registry.host}"\n'
+        f'[host."http://127.0.0.1:{dead}"]\n  capabilities = ["pull", "resolve"]\n'
+        f'[host."http://{proxy.host}"]\n  capabilities = ["pull", "resolve"]\n'
+    )
+    with RegistryClient(certs_dir=tmp_path, retries=0) as client:
+        image = client.resolve(ref)
+        assert client.fetch_range(ref, image.manifest.layers[0].digest, 0, 10)
+    via_mirror = proxy.requests("GET")
+    assert via_mirror and all(f"ns={registry.host}" in unquote(s.path) for s in via_mirror)
+
+
+def _push_layout(client: RegistryClient, pushed: PushedImage, ref_text: str) -> str:
+    """Push `pushed`'s blobs and manifest with our own client; returns the manifest digest."""
+    blobs = pushed.layout.directory / "blobs" / "sha256"
+    index = json.loads((pushed.layout.directory / "index.json").read_text())
+    manifest_digest = index["manifests"][0]["digest"]
+    manifest = (blobs / manifest_digest.removeprefix("sha256:")).read_bytes()
+    ref = parse_reference(ref_text)
+    for entry in [json.loads(manifest)["config"], *json.loads(manifest)["layers"]]:
+        client.push_blob(ref, (blobs / entry["digest"].removeprefix("sha256:")).read_bytes(), entry["digest"])
+    assert client.push_manifest(ref, manifest, media.OCI_MANIFEST, tag=ref.tag) == manifest_digest
+    return manifest_digest
+
+
+def test_basic_auth_from_docker_config(auth_registry: AuthRegistry, pushed: PushedImage) -> None:
+    ref_text = f"{auth_registry.host}/private/sample:v1"
+    with _client(docker_config=auth_registry.docker_config()) as client:
+        digest = _push_layout(client, pushed, ref_text)
+        image = client.resolve(parse_reference(ref_text))
+        assert image.manifest_digest == digest
+        out = io.BytesIO()
+        client.fetch_blob(image.ref, image.manifest.layers[1].digest, out)
+        assert hashlib.sha256(out.getvalue()).hexdigest() == image.manifest.layers[1].digest[7:]
+    with _client(docker_config=auth_registry.docker_config(password="wrong")) as client:
+        with pytest.raises(Unauthorized, match="refused the credentials"):
+            client.resolve(parse_reference(ref_text))
+    with _client(docker_config=auth_registry.workdir / "absent.json") as client:
+        with pytest.raises(Unauthorized, match="has none for"):
+            client.resolve(parse_reference(ref_text))
+
+
+def test_redirect_drops_credentials(auth_registry: AuthRegistry, registry: Registry, pushed: PushedImage) -> None:
+    """Blob GETs redirected to "storage" (another origin) carry no Authorization."""
+    ref_text = f"{auth_registry.host}/private/redirected:v1"
+    with _client(docker_config=auth_registry.docker_config()) as client:
+        _push_layout(client, pushed, ref_text)
+    with faultproxy.running(auth_registry.port) as front, faultproxy.running(registry.port) as storage:
+        front.plan("redirect", "/blobs/", times=2, redirect_to=f"http://{storage.host}")
+        ref = parse_reference(ref_text.replace(auth_registry.host, front.host))
+        config = auth_registry.docker_config()
+        doc = json.loads(config.read_text())
+        doc["auths"][front.host] = doc["auths"][auth_registry.host]
+        config.write_text(json.dumps(doc))
+        with _client(docker_config=config) as client:
+            image = client.resolve(ref)
+            layer = image.manifest.layers[1]
+            # Redirected to the same repository path on a registry that holds the same blob.
+            assert client.fetch_range(ref.__class__(ref.domain, "regtest/sample", "v1"), layer.digest, 5, 50) \
+                == _blob(pushed, layer.digest)[5:50]
+        assert front.requests("GET", "/manifests/")[-1].headers.get("Authorization", "").startswith("Basic ")
+        storage_gets = storage.requests("GET", "/blobs/")
+        assert storage_gets and all("Authorization" not in s.headers for s in storage_gets)
+
+
+def test_push_blob_skips_existing_and_checks_digest(registry: Registry) -> None:
+    ref = parse_reference(f"{registry.host}/regtest/pushed:v1")
+    data = b"some config bytes"
+    with _client() as client:
+        desc = client.push_blob(ref, data)
+        assert desc.digest == media.digest_of(data) and client.blob_exists(ref, desc.digest)
+        assert client.push_blob(ref, data).digest == desc.digest
+        with pytest.raises(ValueError, match="hashes to"):
+            client.push_blob(ref, data, "sha256:" + "1" * 64)
+
+
+def test_referrers_tag_fallback(registry: Registry, pushed: PushedImage) -> None:
+    subject_ref = parse_reference(pushed.ref)
+    with _client() as client:
+        subject = client.resolve(subject_ref)
+        assert client.referrers(subject_ref, subject.manifest_digest) == []
+        empty = client.push_blob(subject_ref, b"{}", media_type=media.OCI_EMPTY)
+        index_blob = client.push_blob(subject_ref, b"layer index bytes")
+        artifact = json.dumps({
+            "schemaVersion": 2,
+            "mediaType": media.OCI_MANIFEST,
+            "artifactType": "application/vnd.bootseer.layer-index.v1",
+            "config": {"mediaType": media.OCI_EMPTY, "digest": empty.digest, "size": empty.size},
+            "layers": [{"mediaType": "application/vnd.bootseer.layer-index.v1+cbor",
+                        "digest": index_blob.digest, "size": index_blob.size}],
+            "subject": subject.manifest_descriptor.to_json(),
+            "annotations": {"org.bootseer.span": "4194304"},
+        }).encode()
+        first = client.push_referrer(subject_ref, artifact, media.OCI_MANIFEST, subject.manifest_digest)
+        again = client.push_referrer(subject_ref, artifact, media.OCI_MANIFEST, subject.manifest_digest)
+        assert first == again == media.digest_of(artifact)
+        found = client.referrers(subject_ref, subject.manifest_digest)
+        assert [d.digest for d in found] == [first]  # no duplicate entry
+        assert found[0].artifact_type == "application/vnd.bootseer.layer-index.v1"
+        assert found[0].annotations == {"org.bootseer.span": "4194304"}
+        assert client.referrers(subject_ref, subject.manifest_digest, "application/other") == []
+        tag_ref = subject_ref.with_tag(referrers_tag(subject.manifest_digest))
+        _, tag_type, _ = client.fetch_manifest(tag_ref)
+        assert tag_type == media.OCI_INDEX
+        with pytest.raises(ValueError, match="subject"):
+            client.push_referrer(subject_ref, artifact, media.OCI_MANIFEST, "sha256:" + "2" * 64)
+
+
+def test_index_resolution_picks_the_platform(registry: Registry, pushed: PushedImage) -> None:
+    ref = parse_reference(pushed.ref)
+    with _client() as client:
+        image = client.resolve(ref)
+        index = media.Index(media.OCI_INDEX, (
+            media.Descriptor(media.OCI_MANIFEST, image.manifest_digest, len(image.manifest_bytes),
+                             platform=media.Platform("linux", "arm64", "v8")),
+            media.Descriptor(media.OCI_MANIFEST, image.manifest_digest, len(image.manifest_bytes),
+                             platform=media.Platform("linux", "amd64")),
+        ))
+        multi = ref.with_tag("multi")
+        index_digest = client.push_manifest(multi, index.to_bytes(), media.OCI_INDEX, tag="multi")
+        resolved = client.resolve(multi, "linux/amd64")
+        assert resolved.index_digest == index_digest and resolved.manifest_digest == image.manifest_digest
+        with pytest.raises(NotFound, match="--platform"):
+            client.resolve(multi, "linux/s390x")
+
+
+def test_sample_layers_are_what_was_pushed(pushed: PushedImage, tmp_path: Path) -> None:
+    """Guard: the fixture image is the deterministic one the tests expect."""
+    again = write_layout(tmp_path, sample_layers())
+    assert again.diff_ids == pushed.layout.diff_ids

@@ -1,0 +1,215 @@
+"""Unit tests of the registry client's pure parts: references, hosts.toml,
+credentials and challenges, manifests and platforms."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from snapshotter.registry import media
+from snapshotter.registry.auth import (
+    CredentialsError,
+    Keychain,
+    credentials_from_config,
+    parse_challenges,
+    parse_token_response,
+)
+from snapshotter.registry.client import _next_link, referrers_tag
+from snapshotter.registry.hosts import HostsConfigError, endpoints_for, parse_hosts_toml
+from snapshotter.registry.reference import InvalidReference, parse
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+@pytest.mark.parametrize(
+    ("text", "domain", "repository", "tag", "digest"),
+    [
+        ("ubuntu", "docker.io", "library/ubuntu", "latest", ""),
+        ("ubuntu:22.04", "docker.io", "library/ubuntu", "22.04", ""),
+        ("user/app", "docker.io", "user/app", "latest", ""),
+        ("index.docker.io/library/ubuntu:x", "docker.io", "library/ubuntu", "x", ""),
+        (f"docker.io/library/ubuntu@{DIGEST}", "docker.io", "library/ubuntu", "", DIGEST),
+        (f"127.0.0.1:5000/demo/train:v1@{DIGEST}", "127.0.0.1:5000", "demo/train", "v1", DIGEST),
+        ("127.0.0.1:5000/demo/train:v1", "127.0.0.1:5000", "demo/train", "v1", ""),
+        ("localhost/a", "localhost", "a", "latest", ""),
+        ("registry.example.com/a/b/c", "registry.example.com", "a/b/c", "latest", ""),
+        ("localhost:5000/x", "localhost:5000", "x", "latest", ""),
+    ],
+)
+def test_reference_parsing(text: str, domain: str, repository: str, tag: str, digest: str) -> None:
+    ref = parse(text)
+    assert (ref.domain, ref.repository, ref.tag, ref.digest) == (domain, repository, tag, digest)
+    assert parse(str(ref)) == ref
+
+
+@pytest.mark.parametrize("text", ["", "UPPER/case", "a//b", "host:5000/x:bad tag", "x@sha256:short", "x:"])
+def test_invalid_references(text: str) -> None:
+    with pytest.raises(InvalidReference):
+        parse(text)
+
+
+def test_reference_helpers() -> None:
+    ref = parse("ubuntu")
+    assert ref.api_host == "registry-1.docker.io"
+    assert str(ref) == "docker.io/library/ubuntu:latest"
+    assert ref.with_digest(DIGEST).object == DIGEST
+    assert ref.with_tag("sha256-x").object == "sha256-x"
+
+
+def test_hosts_toml_mirrors_first_then_server(tmp_path: Path) -> None:
+    text = """
+server = "http://10.0.0.1:5000"
+skip_verify = false
+
+[host."https://mirror.example.com"]
+  capabilities = ["pull", "resolve"]
+  ca = "mirror-ca.pem"
+  skip_verify = true
+  [host."https://mirror.example.com".header]
+    x-team = "ml"
+
+[host."http://plain.example.com:8080/prefix"]
+  capabilities = ["pull"]
+  override_path = true
+"""
+    endpoints = parse_hosts_toml(text, "registry.example.com", tmp_path)
+    assert [e.base_url for e in endpoints] == [
+        "https://mirror.example.com/v2",
+        "http://plain.example.com:8080/prefix",
+        "http://10.0.0.1:5000/v2",
+    ]
+    mirror, plain, server = endpoints
+    assert mirror.capabilities == {"pull", "resolve"} and mirror.skip_verify
+    assert mirror.ca == (tmp_path / "mirror-ca.pem",) and mirror.headers == {"x-team": "ml"}
+    assert mirror.mirror_of == "registry.example.com" and server.mirror_of == ""
+    assert plain.scheme == "http" and plain.capabilities == {"pull"}
+    assert server.capabilities == {"pull", "resolve", "push"}
+
+
+def test_hosts_toml_defaults_and_errors(tmp_path: Path) -> None:
+    assert [e.base_url for e in parse_hosts_toml("", "docker.io", tmp_path)] == ["https://registry-1.docker.io/v2"]
+    assert parse_hosts_toml("", "r:5000", tmp_path, plain_http=True)[0].base_url == "http://r:5000/v2"
+    with pytest.raises(HostsConfigError, match="unknown capabilities"):
+        parse_hosts_toml('[host."https://m"]\ncapabilities = ["fly"]', "r", tmp_path)
+    with pytest.raises(HostsConfigError, match="not valid TOML"):
+        parse_hosts_toml("server = ", "r", tmp_path)
+
+
+def test_hosts_file_lookup(tmp_path: Path) -> None:
+    (tmp_path / "r:5000").mkdir()
+    (tmp_path / "r:5000" / "hosts.toml").write_text('server = "http://r:5000"\n')
+    assert endpoints_for("r:5000", tmp_path)[0].base_url == "http://r:5000/v2"
+    assert endpoints_for("other", tmp_path)[0].base_url == "https://other/v2"
+    (tmp_path / "_default").mkdir()
+    (tmp_path / "_default" / "hosts.toml").write_text('[host."http://mirror:1"]\n')
+    assert [e.base_url for e in endpoints_for("other", tmp_path)] == ["http://mirror:1/v2", "https://other/v2"]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "hosts.toml").write_text("server = ")
+    with pytest.raises(HostsConfigError, match=str(tmp_path / "bad" / "hosts.toml")):
+        endpoints_for("bad", tmp_path)
+
+
+def test_credentials_from_config_json() -> None:
+    encoded = base64.b64encode(b"alice:pa:ss").decode()
+    doc = {"auths": {
+        "https://reg.example.com": {"auth": encoded},
+        "other:5000": {"username": "bob", "password": "pw"},
+        "https://index.docker.io/v1/": {"auth": base64.b64encode(b"hub:tok").decode()},
+    }}
+    alice = credentials_from_config(doc, "reg.example.com")
+    assert alice is not None and (alice.username, alice.password) == ("alice", "pa:ss")
+    bob = credentials_from_config(doc, "other:5000")
+    assert bob is not None and bob.username == "bob"
+    hub = credentials_from_config(doc, "docker.io")
+    assert hub is not None and hub.username == "hub"
+    assert credentials_from_config(doc, "nowhere") is None
+    assert "pa:ss" not in repr(alice)
+    assert alice.basic_header() == "Basic " + encoded
+    with pytest.raises(CredentialsError, match="not base64"):
+        credentials_from_config({"auths": {"h": {"auth": "!!"}}}, "h")
+
+
+def test_keychain_reads_file_and_reports_bad_json(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    assert Keychain(path).get("h") is None  # no file: anonymous
+    path.write_text(json.dumps({"auths": {"h": {"username": "u", "password": "p"}}}))
+    creds = Keychain(path).get("h")
+    assert creds is not None and creds.password == "p"
+    path.write_text("{")
+    with pytest.raises(CredentialsError, match=str(path)):
+        Keychain(path).get("h")
+
+
+def test_challenge_parsing() -> None:
+    header = ('Bearer realm="https://auth.example.com/token",service="registry.example.com",'
+              'scope="repository:a/b:pull,push"')
+    (bearer,) = parse_challenges(header)
+    assert bearer.scheme == "bearer" and bearer.realm == "https://auth.example.com/token"
+    assert bearer.params["scope"] == "repository:a/b:pull,push"
+    assert [c.scheme for c in parse_challenges('Basic realm="x", Bearer realm="y"')] == ["basic", "bearer"]
+    assert parse_challenges('Basic realm="Registry Realm"')[0].realm == "Registry Realm"
+
+
+def test_token_response() -> None:
+    token = parse_token_response(b'{"token": "t1", "expires_in": 300}', now=100.0)
+    assert token.value == "t1" and token.valid(now=300.0) and not token.valid(now=400.0)
+    assert parse_token_response(b'{"access_token": "t2"}', now=0).value == "t2"
+    with pytest.raises(ValueError):
+        parse_token_response(b"{}")
+
+
+def _manifest_json(**extra: object) -> bytes:
+    return json.dumps({
+        "schemaVersion": 2,
+        "mediaType": media.OCI_MANIFEST,
+        "config": {"mediaType": media.OCI_CONFIG, "digest": DIGEST, "size": 2},
+        "layers": [{"mediaType": media.OCI_LAYER_GZIP, "digest": DIGEST, "size": 5}],
+        **extra,
+    }).encode()
+
+
+def test_manifest_parsing() -> None:
+    parsed = media.parse(_manifest_json(), media.OCI_MANIFEST)
+    assert isinstance(parsed, media.Manifest) and parsed.layers[0].size == 5 and parsed.subject is None
+    with_subject = media.parse(
+        _manifest_json(subject={"mediaType": media.OCI_MANIFEST, "digest": DIGEST, "size": 9},
+                       artifactType="application/x.bootseer.index"),
+        media.OCI_MANIFEST,
+    )
+    assert isinstance(with_subject, media.Manifest) and with_subject.subject is not None
+    assert media.artifact_type_of(with_subject) == "application/x.bootseer.index"
+    assert media.detect_media_type(b'{"schemaVersion":2,"manifests":[]}') == media.OCI_INDEX
+    with pytest.raises(media.InvalidManifest, match="schema 1"):
+        media.parse(b'{"schemaVersion": 1}', media.DOCKER_SCHEMA1)
+    with pytest.raises(media.InvalidManifest, match="size"):
+        media.parse(_manifest_json(layers=[{"mediaType": "x", "digest": DIGEST, "size": -1}]), media.OCI_MANIFEST)
+    with pytest.raises(media.InvalidManifest, match="not JSON"):
+        media.parse(b"<html>", media.OCI_MANIFEST)
+
+
+def test_platform_selection() -> None:
+    def entry(arch: str, variant: str = "", mt: str = media.OCI_MANIFEST) -> dict[str, object]:
+        plat = {"os": "linux", "architecture": arch, **({"variant": variant} if variant else {})}
+        return {"mediaType": mt, "digest": DIGEST, "size": 1, "platform": plat}
+
+    index = media.parse(json.dumps({"schemaVersion": 2, "manifests": [
+        entry("arm", "v7"), entry("arm64"), entry("amd64"),
+    ]}).encode(), media.OCI_INDEX)
+    assert isinstance(index, media.Index)
+    assert media.select_platform(index, media.Platform.parse("linux/amd64")).platform.architecture == "amd64"  # type: ignore[union-attr]
+    assert media.select_platform(index, media.Platform.parse("linux/arm64/v8")).platform.architecture == "arm64"  # type: ignore[union-attr]
+    with pytest.raises(LookupError, match="linux/s390x"):
+        media.select_platform(index, media.Platform.parse("linux/s390x"))
+    with pytest.raises(ValueError):
+        media.Platform.parse("amd64")
+    rebuilt = media.parse(index.to_bytes(), media.OCI_INDEX)
+    assert rebuilt == index
+
+
+def test_referrers_tag_and_link_header() -> None:
+    assert referrers_tag(DIGEST) == "sha256-" + "ab" * 32
+    assert _next_link('</v2/a/referrers/x?n=2>; rel="next"') == "/v2/a/referrers/x?n=2"
+    assert _next_link("") is None

@@ -1,0 +1,181 @@
+"""The layer index core: format round trip and validation, block math,
+decoding with verification, the tree and the builder's refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import io
+import random
+import stat
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from snapshotter.layer.blockmath import fetch_runs, split_run
+from snapshotter.layer.build import UnsupportedLayer, build_index
+from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
+from snapshotter.layer.index import (
+    MAGIC,
+    Block,
+    Entry,
+    EntryType,
+    IndexFormatError,
+    LayerIndex,
+    normalize_name,
+)
+from snapshotter.layer.tree import OPAQUE_XATTR, ROOT, build_tree
+
+
+def tar_of(members: list[tuple[str, bytes]], gz: bool = True) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members:
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tar.addfile(ti, io.BytesIO(data))
+    return gzip.compress(buf.getvalue(), 6) if gz else buf.getvalue()
+
+
+def index_of(blob: bytes, tmp_path: Path, span: int = 64 << 10) -> LayerIndex:
+    path = tmp_path / "blob"
+    path.write_bytes(blob)
+    return build_index(path, "sha256:" + hashlib.sha256(blob).hexdigest(), span=span)
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_every_block_decodes_to_the_uncompressed_stream(tmp_path: Path, gz: bool) -> None:
+    rng = random.Random(1)
+    members = [(f"f{i}", rng.randbytes(rng.randint(0, 300_000)) + b"a" * 100_000) for i in range(12)]
+    blob = tar_of(members, gz)
+    index = LayerIndex.decode(index_of(blob, tmp_path).encode())
+    raw = gzip.decompress(blob) if gz else blob
+    assert index.uncompressed_size == len(raw)
+    assert len(index.blocks) > 3
+    decoder = BlockDecoder(index)
+    order = list(range(len(index.blocks)))
+    random.Random(2).shuffle(order)
+    for n in order:
+        b = index.blocks[n]
+        assert decoder.decode(n, blob[b.cstart : b.cend]) == raw[b.ustart : b.uend]
+    for entry, (name, data) in zip(index.entries, members):
+        assert entry.name == name
+        assert raw[entry.offset : entry.offset + entry.size] == data
+
+
+def test_tampered_block_is_refused(tmp_path: Path) -> None:
+    blob = tar_of([("a", b"x" * 200_000)])
+    index = index_of(blob, tmp_path)
+    b = index.blocks[0]
+    data = bytearray(blob[b.cstart : b.cend])
+    data[len(data) // 2] ^= 1
+    with pytest.raises(BlockVerificationError, match="does not match"):
+        BlockDecoder(index).decode(0, bytes(data))
+    with pytest.raises(BlockVerificationError, match="expected"):
+        BlockDecoder(index).decode(0, bytes(data[:-1]))
+
+
+def test_block_range_and_fetch_runs() -> None:
+    blocks = [Block(i * 10, i * 10 + 11, i * 100, (i + 1) * 100, "0" * 64) for i in range(10)]
+    index = LayerIndex("sha256:" + "0" * 64, "none", 101, 1000, 100, blocks, [])  # type: ignore[arg-type]
+    assert index.block_range(0, 1) == range(0, 1)
+    assert index.block_range(99, 101) == range(0, 2)
+    assert index.block_range(100, 200) == range(1, 2)
+    assert index.block_range(950, 5000) == range(9, 10)
+    assert index.block_range(5, 5) == range(0)
+    assert fetch_runs([5, 1, 2, 3, 7, 8], blocks) == [[1, 2, 3], [5], [7, 8]]
+    assert fetch_runs([1, 2, 3], blocks, max_bytes=25) == [[1, 2], [3]]
+    data = bytes(range(41))
+    parts = split_run([1, 2, 3], blocks, data[: blocks[3].cend - blocks[1].cstart])
+    assert parts[2] == data[10:21] and len(parts[1]) == len(parts[3]) == 11
+
+
+def test_format_refuses_bad_input(tmp_path: Path) -> None:
+    index = index_of(tar_of([("a", b"hello")]), tmp_path)
+    good = index.encode()
+    assert LayerIndex.decode(good).entries == index.entries
+    with pytest.raises(IndexFormatError, match="magic"):
+        LayerIndex.decode(b"garbage")
+    with pytest.raises(IndexFormatError, match="corrupt"):
+        LayerIndex.decode(MAGIC + b"not zstd")
+    cases = {
+        "does not continue": dataclasses.replace(
+            index, blocks=[dataclasses.replace(index.blocks[0], ustart=1)]
+        ),
+        "outside the compressed blob": dataclasses.replace(
+            index, blocks=[dataclasses.replace(index.blocks[0], cend=index.compressed_size + 1)]
+        ),
+        "data outside the layer": dataclasses.replace(
+            index, entries=[dataclasses.replace(index.entries[0], size=10**9)]
+        ),
+        "climbs out": dataclasses.replace(
+            index, entries=[dataclasses.replace(index.entries[0], name="../etc/passwd")]
+        ),
+        "not normalised": dataclasses.replace(
+            index, entries=[dataclasses.replace(index.entries[0], name="./a")]
+        ),
+        "malformed digest": dataclasses.replace(
+            index, blocks=[dataclasses.replace(index.blocks[0], digest="zz")]
+        ),
+    }
+    for message, bad in cases.items():
+        with pytest.raises(IndexFormatError, match=message):
+            LayerIndex.decode(bad.encode())
+
+
+def test_names_are_normalised_and_escapes_refused() -> None:
+    assert normalize_name("./usr//bin/") == "usr/bin"
+    assert normalize_name("/etc/passwd") == "etc/passwd"
+    assert normalize_name("./") == ""
+    with pytest.raises(IndexFormatError, match="climbs out"):
+        normalize_name("a/../../etc/shadow")
+
+
+def test_builder_refuses_path_traversal_and_non_tar(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedLayer, match="climbs out"):
+        index_of(tar_of([("../../evil", b"x")]), tmp_path)
+    with pytest.raises(UnsupportedLayer, match="tar"):
+        index_of(gzip.compress(b"this is not a tar archive" * 100), tmp_path)
+
+
+def entry(name: str, etype: EntryType = EntryType.REG, mode: int = 0o644, **kw: object) -> Entry:
+    return Entry(name=name, type=etype, mode=mode, uid=0, gid=0, mtime=0.0, **kw)  # type: ignore[arg-type]
+
+
+def test_tree_follows_tar_and_overlay_rules() -> None:
+    tree = build_tree(
+        [
+            entry("", EntryType.DIR, 0o700),
+            entry("a/b/file", size=3, offset=512),
+            entry("a/b/file", size=7, offset=2048),  # a later entry wins
+            entry("a/link", EntryType.HARDLINK, linkname="a/b/file"),
+            entry("a", EntryType.DIR, 0o750),  # updates the implicit directory
+            entry("a/.wh.gone"),
+            entry("o/.wh..wh..opq"),
+            entry("s", EntryType.SYMLINK, 0o777, linkname="a/b"),
+        ]
+    )
+    root = tree.nodes[ROOT]
+    assert stat.S_IMODE(root.mode) == 0o700
+    a = tree.lookup(ROOT, b"a")
+    assert a is not None and stat.S_IMODE(a.mode) == 0o750
+    b = tree.lookup(a.ino, b"b")
+    assert b is not None and stat.S_IMODE(b.mode) == 0o755  # implicit parent
+    file = tree.lookup(b.ino, b"file")
+    link = tree.lookup(a.ino, b"link")
+    assert file is link and file is not None and (file.size, file.offset, file.nlink) == (7, 2048, 2)
+    gone = tree.lookup(a.ino, b"gone")
+    assert gone is not None and stat.S_ISCHR(gone.mode) and gone.rdev == 0
+    opaque = tree.lookup(ROOT, b"o")
+    assert opaque is not None and opaque.xattrs == {OPAQUE_XATTR: b"y"}
+    symlink = tree.lookup(ROOT, b"s")
+    assert symlink is not None and (symlink.target, symlink.size) == (b"a/b", 3)
+
+
+def test_tree_refuses_broken_hardlinks_and_file_parents() -> None:
+    with pytest.raises(IndexFormatError, match="no file to link to"):
+        build_tree([entry("l", EntryType.HARDLINK, linkname="missing")])
+    with pytest.raises(IndexFormatError, match="non-directory"):
+        build_tree([entry("f"), entry("f/child")])
