@@ -20,7 +20,7 @@ import pytest
 
 from tests.harness.containerd import Containerd, start_containerd
 from tests.harness.oci import ImageBuilder
-from tests.harness.registry import Registry, start_registry
+from tests.harness.registry import AuthRegistry, Registry, start_auth_registry, start_registry
 from tests.harness.snapshotter import Snapshotter, start_snapshotter
 
 
@@ -45,6 +45,16 @@ def _fail_on_leftover_mounts(what: str, leftovers: list[str]) -> None:
 def registry() -> Iterator[Registry]:
     """A running local registry; `.host` is "127.0.0.1:PORT"."""
     reg = start_registry()
+    try:
+        yield reg
+    finally:
+        reg.stop()
+
+
+@pytest.fixture(scope="session")
+def auth_registry() -> Iterator[AuthRegistry]:
+    """A second registry that wants a login; `.docker_config()` writes credentials."""
+    reg = start_auth_registry()
     try:
         yield reg
     finally:

@@ -126,11 +126,16 @@ def build_tree(entries: list[Entry]) -> LayerTree:
             target_ino = target_children.get(_encode(target_base))
             if target_ino is None or nodes[target_ino].is_dir:
                 raise IndexFormatError(f"hardlink {entry.name!r} -> {entry.linkname!r} has no file to link to")
+            # containerd's applier chowns, chmods and stamps the link path,
+            # which is the shared inode: the link entry's metadata wins.
+            target = nodes[target_ino]
+            target.mode = stat.S_IFMT(target.mode) | entry.mode
+            target.uid, target.gid, target.mtime = entry.uid, entry.gid, entry.mtime
             if existing == target_ino:
                 continue
             unlink(parent, name)
             parent.children[name] = target_ino
-            nodes[target_ino].nlink += 1
+            target.nlink += 1
             continue
         if entry.type == EntryType.DIR and existing is not None and nodes[existing].is_dir:
             node = nodes[existing]

@@ -156,23 +156,29 @@ def _helper_credentials(helper: str, host: str) -> Credentials | None:
 
 
 class Keychain:
-    """Credentials per registry host, read from a docker config.json once."""
+    """Credentials per registry host, from a docker config.json. Read again
+    when the file changes, so a `docker login` reaches running daemons."""
 
     def __init__(self, config_path: Path | None = None) -> None:
         self.path = config_path if config_path is not None else default_docker_config()
-        self._doc: dict[str, object] | None = None
+        self._doc: dict[str, object] = {}
+        self._stamp: tuple[int, int] | None = None
 
     def _load(self) -> dict[str, object]:
-        if self._doc is None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            self._doc, self._stamp = {}, None
+            return self._doc
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp != self._stamp:
             try:
                 doc = json.loads(self.path.read_text())
-            except FileNotFoundError:
-                doc = {}
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise CredentialsError(f"{self.path}: cannot read docker config: {exc}") from None
             if not isinstance(doc, dict):
                 raise CredentialsError(f"{self.path}: a docker config must be a JSON object")
-            self._doc = doc
+            self._doc, self._stamp = doc, stamp
         return self._doc
 
     def get(self, host: str) -> Credentials | None:

@@ -46,7 +46,7 @@ def rich_layer() -> tuple[bytes, dict[str, bytes]]:
         members.append((info(name, size=len(data), uid=1000, gid=1000), data))
     members += [
         (info("bin/tool", mode=0o4755, size=4), b"\x7fELF"),
-        (info("bin/tool-link", tarfile.LNKTYPE, linkname="bin/tool"), None),
+        (info("bin/tool-link", tarfile.LNKTYPE, mode=0o4755, linkname="bin/tool"), None),
         (info("bin/rel", tarfile.SYMTYPE, 0o777, linkname="tool"), None),
         (info("bin/dangling", tarfile.SYMTYPE, 0o777, linkname="/nope"), None),
         (info("etc/.wh.removed"), None),

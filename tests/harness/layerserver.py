@@ -8,10 +8,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.harness.procs import Daemon, start_daemon, wait_until
+from tests.harness.procs import Daemon, free_tcp_port, start_daemon, wait_until
 from tests.harness.snapshotter import BOOTSEER_BIN
 from tests.harness.tree import unmount_under
 
@@ -22,6 +23,7 @@ class LazyConfig:
 
     workdir: Path
     plain_http_hosts: list[str] = field(default_factory=list)
+    metrics_port: int = field(default_factory=free_tcp_port)
 
     @property
     def path(self) -> Path:
@@ -39,11 +41,23 @@ class LazyConfig:
     def certs_dir(self) -> Path:
         return self.workdir / "certs.d"
 
+    @property
+    def docker_config(self) -> Path:
+        """Registry credentials of this node (docker config.json format)."""
+        return self.workdir / "docker" / "config.json"
+
+    def allow_plain_http(self, host: str) -> None:
+        """A hosts.toml saying `host` speaks plain HTTP, as an admin would write it."""
+        hosts = self.certs_dir / host / "hosts.toml"
+        hosts.parent.mkdir(parents=True, exist_ok=True)
+        hosts.write_text(
+            f'server = "http://{host}"\n\n[host."http://{host}"]\n'
+            '  capabilities = ["pull", "resolve", "push"]\n'
+        )
+
     def write(self) -> Path:
         for host in self.plain_http_hosts:
-            hosts = self.certs_dir / host / "hosts.toml"
-            hosts.parent.mkdir(parents=True, exist_ok=True)
-            hosts.write_text(f'server = "http://{host}"\n[host."http://{host}"]\n  capabilities = ["pull", "resolve", "push"]\n')
+            self.allow_plain_http(host)
         self.path.write_text(
             f"""[log]
 level = "debug"
@@ -52,9 +66,11 @@ format = "console"
 [fs]
 store = "{self.store}"
 mountpoint = "{self.mountpoint}"
+metrics_address = "127.0.0.1:{self.metrics_port}"
 
 [registry]
 config_path = "{self.certs_dir}"
+docker_config = "{self.docker_config}"
 """
         )
         return self.path
@@ -80,6 +96,15 @@ class LayerServer:
                 ready=lambda: os.path.ismount(self.config.mountpoint),
             )
         )
+
+    def metric(self, name: str) -> float:
+        """A counter or gauge from the server's Prometheus endpoint (0 if absent)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.config.metrics_port}/metrics").read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
 
     def stop(self) -> None:
         self.daemon.stop()

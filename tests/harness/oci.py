@@ -121,6 +121,9 @@ class ImageLayout:
     directory: Path
     tag: str
     diff_ids: tuple[str, ...]
+    # Digests and sizes of the compressed layer blobs, bottom first.
+    layer_digests: tuple[str, ...] = ()
+    layer_sizes: tuple[int, ...] = ()
 
     @property
     def chain_ids(self) -> tuple[str, ...]:
@@ -267,14 +270,22 @@ def write_layout(
         (blob_dir / blob.digest.removeprefix("sha256:")).write_bytes(blob.data)
     (directory / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
     (directory / "index.json").write_text(json.dumps(index))
-    return ImageLayout(directory=directory, tag=tag, diff_ids=tuple(diff_ids))
+    return ImageLayout(
+        directory=directory,
+        tag=tag,
+        diff_ids=tuple(diff_ids),
+        layer_digests=tuple(b.digest for b in layer_blobs),
+        layer_sizes=tuple(len(b.data) for b in layer_blobs),
+    )
 
 
-def push(layout: ImageLayout, reference: str) -> None:
-    """Copy the layout's image to `reference` ("HOST/NAME:TAG") over plain HTTP."""
+def push(layout: ImageLayout, reference: str, creds: str = "") -> None:
+    """Copy the layout's image to `reference` ("HOST/NAME:TAG") over plain
+    HTTP, logging in with `creds` ("user:password") if given."""
+    login = ["--dest-creds", creds] if creds else []
     result = subprocess.run(
         [
-            "skopeo", "copy", "--quiet", "--dest-tls-verify=false",
+            "skopeo", "copy", "--quiet", "--dest-tls-verify=false", *login,
             f"oci:{layout.directory}:{layout.tag}", f"docker://{reference}",
         ],
         capture_output=True,
@@ -313,6 +324,7 @@ class ImageBuilder:
 
     registry_host: str
     workdir: Path
+    creds: str = ""  # "user:password" for a registry that wants a login
 
     def push(
         self,
@@ -324,5 +336,5 @@ class ImageBuilder:
         directory = self.workdir / name.replace("/", "_") / tag
         layout = write_layout(directory, layers, cmd=cmd, tag=tag)
         ref = f"{self.registry_host}/{name}:{tag}"
-        push(layout, ref)
+        push(layout, ref, self.creds)
         return PushedImage(ref=ref, layout=layout)

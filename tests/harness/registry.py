@@ -6,11 +6,14 @@ session starts empty. Deletes are enabled so tests may remove manifests.
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import bcrypt
 
 from tests.harness.procs import Daemon, free_tcp_port, start_daemon, tcp_port_answers
 
@@ -65,3 +68,54 @@ def start_registry() -> Registry:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
     return Registry(daemon=daemon, workdir=workdir, port=port)
+
+
+USER, PASSWORD = "trainer", "s3cret-pass"
+
+
+@dataclass
+class AuthRegistry:
+    """A docker-registry that wants a login (htpasswd: USER / PASSWORD)."""
+
+    daemon: Daemon
+    workdir: Path
+    port: int
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def docker_config(self, user: str = USER, password: str = PASSWORD) -> Path:
+        """A docker config.json holding `user`:`password` for this registry."""
+        path = self.workdir / f"docker-{user}-{len(password)}" / "config.json"
+        path.parent.mkdir(exist_ok=True)
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        path.write_text(json.dumps({"auths": {self.host: {"auth": token}}}))
+        return path
+
+    def stop(self) -> None:
+        self.daemon.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def start_auth_registry() -> AuthRegistry:
+    workdir = Path(tempfile.mkdtemp(prefix="bs-regauth-", dir="/tmp"))
+    port = free_tcp_port()
+    htpasswd = workdir / "htpasswd"
+    # Cost 5 keeps each login check fast on a loaded 2-core machine.
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=5)).decode()
+    htpasswd.write_text(f"{USER}:{hashed}\n")
+    config = json.loads(_config(workdir / "storage", port))
+    config["auth"] = {"htpasswd": {"realm": "bootseer-test", "path": str(htpasswd)}}
+    (workdir / "config.yml").write_text(json.dumps(config))
+    try:
+        daemon = start_daemon(
+            "docker-registry (htpasswd)",
+            [REGISTRY_BIN, "serve", str(workdir / "config.yml")],
+            workdir / "registry.log",
+            ready=lambda: tcp_port_answers("127.0.0.1", port),
+        )
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    return AuthRegistry(daemon, workdir, port)

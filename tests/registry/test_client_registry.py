@@ -24,10 +24,10 @@ from snapshotter.registry import (
 from snapshotter.registry import media
 from tests.harness.oci import PushedImage, write_layout
 from tests.harness.procs import free_tcp_port
-from tests.harness.registry import Registry
-from tests.registry import faultproxy
-from tests.registry.conftest import AuthRegistry, sample_layers
-from tests.registry.faultproxy import FaultProxy
+from tests.harness import faultproxy
+from tests.harness.registry import AuthRegistry, Registry
+from tests.registry.conftest import sample_layers
+from tests.harness.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.integration
 

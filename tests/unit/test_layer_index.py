@@ -150,7 +150,7 @@ def test_tree_follows_tar_and_overlay_rules() -> None:
             entry("", EntryType.DIR, 0o700),
             entry("a/b/file", size=3, offset=512),
             entry("a/b/file", size=7, offset=2048),  # a later entry wins
-            entry("a/link", EntryType.HARDLINK, linkname="a/b/file"),
+            entry("a/link", EntryType.HARDLINK, mode=0o600, linkname="a/b/file"),
             entry("a", EntryType.DIR, 0o750),  # updates the implicit directory
             entry("a/.wh.gone"),
             entry("o/.wh..wh..opq"),
@@ -166,6 +166,7 @@ def test_tree_follows_tar_and_overlay_rules() -> None:
     file = tree.lookup(b.ino, b"file")
     link = tree.lookup(a.ino, b"link")
     assert file is link and file is not None and (file.size, file.offset, file.nlink) == (7, 2048, 2)
+    assert stat.S_IMODE(file.mode) == 0o600  # the link entry's metadata, as containerd applies it
     gone = tree.lookup(a.ino, b"gone")
     assert gone is not None and stat.S_ISCHR(gone.mode) and gone.rdev == 0
     opaque = tree.lookup(ROOT, b"o")

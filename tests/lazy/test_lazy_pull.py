@@ -1,0 +1,176 @@
+"""Lazy pulling end to end: `bootseer index`, `bootseer pull`, the remote
+Prepare path, the FUSE layer server and containers run by containerd/runc
+from a real registry."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.harness import faultproxy, tree
+from tests.harness.containerd import CtrError
+from tests.harness.images import awkward_layers
+from tests.harness.oci import Dir, File, ImageBuilder, busybox_layer
+from tests.harness.registry import PASSWORD, USER, AuthRegistry, Registry
+from tests.lazy.conftest import LazyNode
+
+pytestmark = pytest.mark.integration
+
+REMOTE_LABEL = "containerd.io/snapshot/remote"
+
+
+def pulled_counts(output: str) -> dict[str, int]:
+    match = re.search(r"\((\d+) remote, (\d+) fetched, (\d+) already present", output)
+    assert match, output
+    remote, fetched, present = map(int, match.groups())
+    return {"remote": remote, "fetched": fetched, "present": present}
+
+
+def test_index_is_idempotent(lazy_node: LazyNode, images: ImageBuilder, unique: str) -> None:
+    image = images.push(f"lazy/idem-{unique}", [busybox_layer(), [File("/a", b"a")]])
+    first = lazy_node.index(image.ref)
+    assert first.count("indexed ") == 2 and "pushed index artifact" in first
+    again = lazy_node.index(image.ref)
+    assert again.count("already ") == 2 and "nothing new to index" in again
+
+
+def test_lazy_tree_equals_overlayfs(lazy_node: LazyNode, images: ImageBuilder, unique: str) -> None:
+    layers = awkward_layers()
+    image = images.push(f"lazy/rich-{unique}", layers, cmd=["/bin/sleep", "600"])
+    lazy_node.index(image.ref)
+    assert pulled_counts(lazy_node.pull(image.ref))["remote"] == len(layers)
+    c = lazy_node.containerd
+    for chain_id in image.layout.chain_ids:
+        info = c.ctr("snapshots", "--snapshotter", "bootseer", "info", chain_id).stdout
+        assert f'"{REMOTE_LABEL}": "true"' in info, info
+    c.ctr("images", "pull", "--plain-http", "--snapshotter", "overlayfs", image.ref)
+    c.ctr("run", "-d", "--snapshotter", "bootseer", image.ref, f"lazy-{unique}", "/bin/sleep", "600")
+    c.ctr("run", "-d", "--snapshotter", "overlayfs", image.ref, f"ovl-{unique}", "/bin/sleep", "600")
+    try:
+        lazy_tree = tree.walk(c.task_rootfs(f"lazy-{unique}"))
+        reference = tree.walk(c.task_rootfs(f"ovl-{unique}"))
+        assert lazy_tree == reference, tree.diff(lazy_tree, reference, "lazy", "overlayfs")
+    finally:
+        c.remove_container(f"lazy-{unique}")
+        c.remove_container(f"ovl-{unique}")
+
+
+def test_only_what_is_read_is_fetched(lazy_node: LazyNode, images: ImageBuilder, unique: str) -> None:
+    big = random.Random(7).randbytes(160 << 20)
+    image = images.push(
+        f"lazy/big-{unique}",
+        [busybox_layer(), [Dir("/weights"), File("/weights/shard-0.bin", big), File("/weights/config.json", b'{"n": 1}\n')]],
+        cmd=["/bin/cat", "/weights/config.json"],
+    )
+    lazy_node.index(image.ref)
+    before = lazy_node.layers.metric("bootseer_fs_fetched_bytes_total")
+    lazy_node.pull(image.ref)
+    c = lazy_node.containerd
+    assert c.run(image.ref, f"big-{unique}") == '{"n": 1}\n'
+    fetched = lazy_node.layers.metric("bootseer_fs_fetched_bytes_total") - before
+    image_bytes = sum(image.layout.layer_sizes)
+    assert 0 < fetched < image_bytes * 0.05, (fetched, image_bytes)
+    big_layer = image.layout.layer_digests[-1]
+    assert big_layer not in c.ctr("content", "ls", "-q").stdout
+    # Reading the whole shard later fetches it, and every byte is right.
+    out = c.run(image.ref, f"big2-{unique}", "/bin/sha256sum", "/weights/shard-0.bin")
+    assert out.split()[0] == hashlib.sha256(big).hexdigest()
+
+
+def test_unindexed_image_takes_the_normal_path(lazy_node: LazyNode, images: ImageBuilder, unique: str) -> None:
+    image = images.push(f"lazy/plain-{unique}", [busybox_layer(), [File("/hello", b"plain\n")]], cmd=["/bin/cat", "/hello"])
+    counts = pulled_counts(lazy_node.pull(image.ref))
+    # The busybox base may already be present from another test's normal pull.
+    assert counts["remote"] == 0 and counts["fetched"] >= 1
+    assert lazy_node.containerd.run(image.ref, f"plain-{unique}") == "plain\n"
+    info = lazy_node.containerd.ctr("snapshots", "--snapshotter", "bootseer", "info", image.layout.chain_ids[-1]).stdout
+    assert REMOTE_LABEL not in info
+
+
+def test_registry_faults_never_serve_wrong_bytes(
+    lazy_node: LazyNode, images: ImageBuilder, registry: Registry, unique: str
+) -> None:
+    rng = random.Random(3)
+    first, second = rng.randbytes(6 << 20), rng.randbytes(6 << 20)
+    with faultproxy.running(registry.port) as proxy:
+        lazy_node.layers.config.allow_plain_http(proxy.host)
+        pushed = images.push(
+            f"lazy/faults-{unique}",
+            [busybox_layer(), [File("/first.bin", first), File("/second.bin", second)]],
+            cmd=["/bin/sleep", "600"],
+        )
+        ref = pushed.ref.replace(registry.host, proxy.host)
+        lazy_node.index(ref)
+        lazy_node.pull(ref)
+        c = lazy_node.containerd
+        name = f"faults-{unique}"
+        c.ctr("run", "-d", "--snapshotter", "bootseer", ref, name, "/bin/sleep", "600")
+        try:
+            digest = hashlib.sha256(first).hexdigest()
+            assert c.exec(name, "e1", "/bin/sha256sum", "/first.bin").split()[0] == digest
+
+            layer = pushed.layout.layer_digests[-1]
+            proxy.plan("flip", layer, times=1000)
+            with pytest.raises(CtrError, match="Input/output error"):
+                c.exec(name, "e2", "/bin/sha256sum", "/second.bin")
+            assert lazy_node.layers.metric("bootseer_fs_verify_failures_total") > 0
+            proxy.reset()
+
+            proxy.plan("status", layer, times=1000, status=503)
+            with pytest.raises(CtrError, match="Input/output error"):
+                c.exec(name, "e3", "/bin/sha256sum", "/second.bin")
+            # What is cached is still served while the registry is down.
+            assert c.exec(name, "e4", "/bin/sha256sum", "/first.bin").split()[0] == digest
+            proxy.reset()
+
+            out = c.exec(name, "e5", "/bin/sha256sum", "/second.bin")
+            assert out.split()[0] == hashlib.sha256(second).hexdigest()
+        finally:
+            c.remove_container(name)
+
+
+def test_authenticated_registry_through_docker_config(
+    lazy_node: LazyNode, auth_registry: AuthRegistry, unique: str, tmp_path: Path
+) -> None:
+    builder = ImageBuilder(auth_registry.host, tmp_path, creds=f"{USER}:{PASSWORD}")
+    image = builder.push(f"private/lazy-{unique}", [busybox_layer(), [File("/secret.txt", b"authorised\n")]], cmd=["/bin/cat", "/secret.txt"])
+    config = lazy_node.layers.config
+    config.allow_plain_http(auth_registry.host)
+    config.docker_config.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(auth_registry.docker_config(), config.docker_config)
+    lazy_node.index(image.ref)
+    # The busybox base may already be present from an earlier pull.
+    assert pulled_counts(lazy_node.pull(image.ref))["remote"] >= 1
+    assert lazy_node.containerd.run(image.ref, f"auth-{unique}") == "authorised\n"
+    top = image.layout.chain_ids[-1]
+    info = lazy_node.containerd.ctr("snapshots", "--snapshotter", "bootseer", "info", top).stdout
+    assert f'"{REMOTE_LABEL}": "true"' in info
+
+
+def test_snapshotter_crash_leaves_lazy_containers_running(
+    lazy_node: LazyNode, images: ImageBuilder, unique: str
+) -> None:
+    data = random.Random(13).randbytes(3 << 20)
+    image = images.push(f"lazy/crash-{unique}", [busybox_layer(), [File("/model.bin", data)]], cmd=["/bin/sleep", "600"])
+    lazy_node.index(image.ref)
+    lazy_node.pull(image.ref)
+    c = lazy_node.containerd
+    name = f"crash-{unique}"
+    c.ctr("run", "-d", "--snapshotter", "bootseer", image.ref, name, "/bin/sleep", "600")
+    try:
+        lazy_node.snapshotter.kill9()
+        # Nothing the container reads goes through the snapshotter process.
+        assert c.exec(name, "e1", "/bin/sha256sum", "/model.bin").split()[0] == hashlib.sha256(data).hexdigest()
+        lazy_node.snapshotter.start()
+        c.wait_snapshotter()
+        again = images.push(f"lazy/after-crash-{unique}", [busybox_layer(), [File("/ok", b"ok\n")]], cmd=["/bin/cat", "/ok"])
+        lazy_node.index(again.ref)
+        assert pulled_counts(lazy_node.pull(again.ref))["remote"] >= 1
+        assert c.run(again.ref, f"after-{unique}") == "ok\n"
+    finally:
+        c.remove_container(name)
