@@ -49,6 +49,9 @@ class FsConfig:
     mountpoint: Path = Path("/var/lib/bootseer/m")
     max_parallel_fetches: int = 8
     metrics_address: str = ""
+    # A stored layer no snapshot uses is removed by containerd's cleanup once
+    # it is this old (younger ones may belong to a pull under way).
+    layer_gc_grace_s: float = 600.0
 
 
 @dataclass
@@ -87,8 +90,10 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
             if not isinstance(raw, str) or not raw:
                 raise ConfigError(f"{where}{key} must be a non-empty path string")
             values[key] = Path(raw)
+        elif isinstance(default, float) and isinstance(raw, int) and not isinstance(raw, bool):
+            values[key] = float(raw)
         else:
-            if not isinstance(raw, type(default)):
+            if not isinstance(raw, type(default)) or isinstance(raw, bool) != isinstance(default, bool):
                 raise ConfigError(
                     f"{where}{key} must be a {type(default).__name__}, not {type(raw).__name__}"
                 )

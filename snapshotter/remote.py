@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +23,7 @@ import structlog
 from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
 from snapshotter.layer import artifact as artifact_mod
 from snapshotter.layer.index import ARTIFACT_TYPE, IndexFormatError, LayerIndex
+from snapshotter.model import Snapshot
 from snapshotter.registry import media
 from snapshotter.registry.reference import Reference, parse as parse_reference
 
@@ -51,9 +52,14 @@ class LazyLayer:
 
 class RemoteLayers:
     def __init__(
-        self, store: LayerStore, mountpoint: Path, client_factory: Callable[[], RegistryClient]
+        self,
+        store: LayerStore,
+        mountpoint: Path,
+        client_factory: Callable[[], RegistryClient],
+        gc_grace_s: float,
     ) -> None:
         self.store = store
+        self.gc_grace_s = gc_grace_s
         self.mountpoint = mountpoint
         self._client_factory = client_factory
         self._client: RegistryClient | None = None
@@ -69,6 +75,11 @@ class RemoteLayers:
             if self._client is None:
                 self._client = self._client_factory()
             return self._client
+
+    def prune(self, snapshots: Iterable[Snapshot]) -> list[str]:
+        """Drop stored layers (index and cache) no remote snapshot uses any more."""
+        keep = {s.labels[LAYER_DIGEST] for s in snapshots if REMOTE_LABEL in s.labels and LAYER_DIGEST in s.labels}
+        return self.store.prune(keep, older_than_s=self.gc_grace_s)
 
     @staticmethod
     def wanted(labels: dict[str, str]) -> bool:

@@ -55,7 +55,7 @@ def _remote_layers(config: Config) -> RemoteLayers | None:
 
         return client_from_config(config.registry)
 
-    return RemoteLayers(LayerStore(config.fs.store), config.fs.mountpoint, client)
+    return RemoteLayers(LayerStore(config.fs.store), config.fs.mountpoint, client, config.fs.layer_gc_grace_s)
 
 
 def serve(full_config: Config) -> None:

@@ -303,15 +303,19 @@ class Snapshotter:
 
     def cleanup(self) -> list[str]:
         """Remove directories under snapshots/ that no snapshot owns (left by
-        crashes or interrupted removals). Returns their names."""
+        crashes or interrupted removals), and lazily served layers no snapshot
+        uses any more. Returns what was removed."""
         with self._write_lock:
             with self.store.read() as txn:
-                owned = {str(s.id) for s in txn.all()}
+                snaps = list(txn.all())
+            owned = {str(s.id) for s in snaps}
             removed = []
             for entry in sorted(os.listdir(self.snapshots_dir)):
                 if entry not in owned:
                     shutil.rmtree(self.snapshots_dir / entry)
                     removed.append(entry)
+            if self.remote is not None:
+                removed += [f"layer {name}" for name in self.remote.prune(snaps)]
             return removed
 
     def _remove_dir(self, path: Path) -> None:

@@ -35,6 +35,7 @@ BLOCK_SIZE = 4096
 class _Layer:
     slot: int
     name: str
+    generation: str
     tree: LayerTree
     reader: LayerReader
 
@@ -59,12 +60,17 @@ class LayerFS(pyfuse3.Operations):
     # -- layers -------------------------------------------------------------
 
     async def _layer(self, name: str) -> _Layer | None:
+        """The layer `name` as the store holds it now: loaded on first use,
+        loaded again if it was removed and added back (a new generation)."""
+        generation = await trio.to_thread.run_sync(self.store.generation, name)
+        if generation is None:
+            return None
         layer = self.layers_by_name.get(name)
-        if layer is not None:
+        if layer is not None and layer.generation == generation:
             return layer
         async with self.load_lock:
             layer = self.layers_by_name.get(name)
-            if layer is None and name in await trio.to_thread.run_sync(self.store.names):
+            if layer is None or layer.generation != generation:
                 layer = await trio.to_thread.run_sync(self._load, name)
         return layer
 
@@ -73,13 +79,14 @@ class LayerFS(pyfuse3.Operations):
         slot = len(self.layers_by_slot) + 1
         reader = LayerReader(
             name,
+            source.cache_key,
             index,
             self.store.path(name) / CACHE,
             self.block_index,
             self.fetcher_for(source),
             self.limiter,
         )
-        layer = _Layer(slot, name, build_tree(index.entries), reader)
+        layer = _Layer(slot, name, source.generation, build_tree(index.entries), reader)
         self.layers_by_name[name] = layer
         self.layers_by_slot[slot] = layer
         log.info("layer loaded", layer=name, slot=slot, blocks=len(index.blocks), cached=len(reader.cached))
@@ -133,7 +140,10 @@ class LayerFS(pyfuse3.Operations):
             layer = await self._layer(os.fsdecode(name))
             if layer is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
-            return self._attr(layer, layer.tree.nodes[ROOT])
+            attr = self._attr(layer, layer.tree.nodes[ROOT])
+            # Layers come and go from the store: look them up afresh each time.
+            attr.entry_timeout = 0
+            return attr
         layer, node = self._resolve(parent_inode)
         if name == b".":
             return self._attr(layer, node)

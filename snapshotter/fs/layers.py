@@ -2,12 +2,16 @@
 layer server (which serves them):
 
     STORE/<hex>/index        the verified layer index
-    STORE/<hex>/source.json  where the blob lives: {"ref": "host/repo", "digest": "sha256:..."}
+    STORE/<hex>/source.json  where the blob lives and which copy this is:
+                             {"ref": "host/repo", "digest": "sha256:...", "generation": "<hex>"}
     STORE/<hex>/cache        uncompressed layer bytes, filled block by block (sparse)
     STORE/blocks.lmdb/       the block index: (layer, block) -> place and state
 
 A layer directory appears complete or not at all: it is written under a
-temporary name and renamed, so the server never loads half a layer.
+temporary name and renamed, so the server never loads half a layer. Each
+copy of a layer gets a new generation, and cached blocks are recorded per
+generation: a layer removed and added again never inherits the old copy's
+block records.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import json
 import os
 import shutil
 import tempfile
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +37,12 @@ CACHE = "cache"
 class LayerSource:
     ref: str  # host/repository the blob can be fetched from
     digest: str
+    generation: str = ""  # set by LayerStore.add
+
+    @property
+    def cache_key(self) -> str:
+        """The block index's name for this copy of the layer (hex)."""
+        return layer_name(self.digest) + self.generation
 
 
 def layer_name(digest: str) -> str:
@@ -60,7 +72,8 @@ class LayerStore:
         staging = Path(tempfile.mkdtemp(prefix=".new-", dir=self.root))
         try:
             (staging / INDEX).write_bytes(encoded)
-            (staging / SOURCE).write_text(json.dumps({"ref": source.ref, "digest": source.digest}))
+            record = {"ref": source.ref, "digest": source.digest, "generation": uuid.uuid4().hex}
+            (staging / SOURCE).write_text(json.dumps(record))
             with open(staging / CACHE, "wb") as cache:
                 cache.truncate(index.uncompressed_size)
                 os.fsync(cache.fileno())
@@ -82,7 +95,30 @@ class LayerStore:
         source = json.loads((directory / SOURCE).read_text())
         if layer_name(index.layer_digest) != name:
             raise ValueError(f"layer {name} holds the index of {index.layer_digest}")
-        return index, LayerSource(ref=source["ref"], digest=source["digest"])
+        return index, LayerSource(ref=source["ref"], digest=source["digest"], generation=source["generation"])
+
+    def generation(self, name: str) -> str | None:
+        """The generation of the layer copy now in the store, None if absent."""
+        try:
+            return str(json.loads((self.path(name) / SOURCE).read_text())["generation"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def prune(self, keep: set[str], older_than_s: float) -> list[str]:
+        """Remove layers whose digest is not in `keep` and that were added
+        more than `older_than_s` ago (younger ones may belong to a Prepare in
+        progress). Returns the names removed."""
+        removed = []
+        now = time.time()
+        for name in self.names():
+            directory = self.path(name)
+            if f"sha256:{name}" in keep or now - directory.stat().st_mtime < older_than_s:
+                continue
+            doomed = directory.with_name(f".rm-{name}-{uuid.uuid4().hex[:8]}")
+            os.rename(directory, doomed)
+            shutil.rmtree(doomed)
+            removed.append(name)
+        return removed
 
     def names(self) -> list[str]:
         if not self.root.is_dir():

@@ -46,6 +46,7 @@ class LayerReader:
     def __init__(
         self,
         name: str,
+        cache_key: str,
         index: LayerIndex,
         cache_path: Path,
         block_index: BlockIndex,
@@ -53,11 +54,12 @@ class LayerReader:
         fetch_limiter: trio.CapacityLimiter,
     ) -> None:
         self.name = name
+        self.cache_key = cache_key
         self.index = index
         self.block_index = block_index
         self.fetch = fetch
         self.decoder = BlockDecoder(index)
-        self.cached: set[int] = set(block_index.cached(name))
+        self.cached: set[int] = set(block_index.cached(cache_key))
         self.inflight: dict[int, _Flight] = {}
         self.fd = os.open(cache_path, os.O_RDWR)
         self.limiter = fetch_limiter
@@ -148,7 +150,7 @@ class LayerReader:
         os.pwrite(self.fd, data, block.ustart)
         os.fdatasync(self.fd)
         self.block_index.put(
-            self.name,
+            self.cache_key,
             number,
             BlockRecord(block.cstart, block.cend, block.ustart, block.uend, block.ustart, BlockState.CACHED),
         )

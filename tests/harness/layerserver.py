@@ -67,6 +67,7 @@ format = "console"
 store = "{self.store}"
 mountpoint = "{self.mountpoint}"
 metrics_address = "127.0.0.1:{self.metrics_port}"
+layer_gc_grace_s = 0
 
 [registry]
 config_path = "{self.certs_dir}"

@@ -174,3 +174,24 @@ def test_snapshotter_crash_leaves_lazy_containers_running(
         assert c.run(again.ref, f"after-{unique}") == "ok\n"
     finally:
         c.remove_container(name)
+
+
+def test_image_removal_cleans_up_lazy_layers(lazy_node: LazyNode, images: ImageBuilder, unique: str) -> None:
+    marker = f"/gc-{unique}"
+    image = images.push(f"lazy/gc-{unique}", [busybox_layer(), [File(marker, b"gc\n")]], cmd=["/bin/cat", marker])
+    lazy_node.index(image.ref)
+    lazy_node.pull(image.ref)
+    c = lazy_node.containerd
+    assert c.run(image.ref, f"gc-{unique}") == "gc\n"
+    top_layer = image.layout.layer_digests[-1].split(":")[1]
+    store = lazy_node.layers.config.store
+    assert (store / top_layer).is_dir()
+    dirs_before = lazy_node.snapshotter.snapshot_ids()
+    c.ctr("images", "rm", "--sync", image.ref)
+    # The top layer is this image's alone: its snapshot directory and its
+    # stored index and cache are gone; a re-pull serves it again.
+    assert not (store / top_layer).exists()
+    assert len(lazy_node.snapshotter.snapshot_ids()) < len(dirs_before)
+    assert top_layer not in "".join(str(p) for p in lazy_node.layers.config.mountpoint.iterdir())
+    lazy_node.pull(image.ref)
+    assert c.run(image.ref, f"gc2-{unique}") == "gc\n"
