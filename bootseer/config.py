@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hdfs_fuse.settings import HdfsFuseConfig
+
 DEFAULT_PATH = Path("/etc/bootseer/config.toml")
 
 
@@ -68,6 +70,7 @@ class Config:
     snapshotter: SnapshotterConfig = field(default_factory=SnapshotterConfig)
     fs: FsConfig = field(default_factory=FsConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    hdfs_fuse: HdfsFuseConfig = field(default_factory=HdfsFuseConfig)
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")

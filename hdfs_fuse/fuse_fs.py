@@ -1,0 +1,257 @@
+"""The read-only FUSE filesystem over a remote prefix (pyfuse3, trio).
+
+Directory listings and attributes come from the remote store and are kept
+for `attr_ttl`; the kernel is told the same TTL. Every file read is served
+by the striped reader in a worker thread, so the trio loop keeps taking the
+kernel's parallel read-ahead requests while stripes are in flight. Anything
+that would write gets EROFS (the mount is also `ro`, so the kernel mostly
+refuses before asking).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pyfuse3
+import structlog
+import trio
+from prometheus_client import Histogram
+
+from hdfs_fuse import uri as uri_mod
+from hdfs_fuse.backends import Entry
+from hdfs_fuse.reader import Client, StripedReader
+from hdfs_fuse.striping import ReadAhead
+
+log = structlog.get_logger("bootseer.hdfs_fuse.mount")
+
+FUSE_READ_BYTES = Histogram(
+    "bootseer_hdfs_fuse_fuse_read_request_bytes",
+    "Size of the read requests the kernel sends the mount.",
+    buckets=(4096, 32768, 131072, 262144, 524288, 1048576, 4194304),
+)
+
+
+@dataclass
+class Node:
+    location: uri_mod.Location
+    entry: Entry
+    inode: int
+
+
+@dataclass
+class Handle:
+    reader: StripedReader
+    pattern: ReadAhead
+    inode: int
+
+
+@dataclass
+class Listing:
+    expires: float
+    entries: list[Entry] = field(default_factory=list)
+
+
+def _to_fuse_error(exc: BaseException) -> pyfuse3.FUSEError:
+    if isinstance(exc, OSError) and exc.errno:
+        return pyfuse3.FUSEError(exc.errno)
+    return pyfuse3.FUSEError(errno.EIO)
+
+
+class RemoteFS(pyfuse3.Operations):
+    def __init__(self, client: Client, root: uri_mod.Location) -> None:
+        super().__init__()
+        self.client = client
+        self.ttl = client.config.attr_ttl
+        self.uid, self.gid = os.getuid(), os.getgid()
+        root_entry = client.stat(root)
+        # A file URI mounts as a directory holding just that file.
+        self.single_file = not root_entry.is_dir
+        root_dir = Entry(name="", is_dir=True, size=0, mtime=root_entry.mtime)
+        self.nodes: dict[int, Node] = {pyfuse3.ROOT_INODE: Node(root, root_dir, pyfuse3.ROOT_INODE)}
+        self._inode_of: dict[tuple[int, str], int] = {}
+        self._next_inode = itertools.count(pyfuse3.ROOT_INODE + 1)
+        self._listings: dict[int, Listing] = {}
+        self._handles: dict[int, Handle] = {}
+        self._next_fh = itertools.count(1)
+        # Version each file had when last opened: the kernel may keep its
+        # page cache across opens only while the remote file is unchanged.
+        self._opened_versions: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self.initialized = trio.Event()
+
+    def init(self) -> None:
+        # Called while the kernel's INIT is being answered, in the trio thread.
+        self.initialized.set()
+
+    # --- attributes and listings -----------------------------------------------------
+
+    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        attrs = pyfuse3.EntryAttributes()
+        entry = node.entry
+        attrs.st_ino = node.inode
+        attrs.st_mode = (stat.S_IFDIR | 0o555) if entry.is_dir else (stat.S_IFREG | 0o444)
+        attrs.st_nlink = 2 if entry.is_dir else 1
+        attrs.st_uid, attrs.st_gid = self.uid, self.gid
+        attrs.st_size = entry.size
+        attrs.st_blksize = self.client.config.stripe_size
+        attrs.st_blocks = -(-entry.size // 512)
+        mtime_ns = int(entry.mtime * 1e9)
+        attrs.st_atime_ns = attrs.st_mtime_ns = attrs.st_ctime_ns = mtime_ns
+        attrs.attr_timeout = attrs.entry_timeout = self.ttl
+        return attrs
+
+    def _listing_sync(self, inode: int) -> list[Entry]:
+        now = time.monotonic()
+        cached = self._listings.get(inode)
+        if cached is not None and cached.expires > now:
+            return cached.entries
+        node = self.nodes[inode]
+        if self.single_file and inode == pyfuse3.ROOT_INODE:
+            entries = [self.client.stat(node.location)]
+        else:
+            entries = sorted(self.client.list(node.location), key=lambda e: e.name)
+        self._listings[inode] = Listing(now + self.ttl, entries)
+        return entries
+
+    def _child_location(self, parent: int, name: str) -> uri_mod.Location:
+        node = self.nodes[parent]
+        if self.single_file and parent == pyfuse3.ROOT_INODE:
+            return node.location
+        return node.location.child(name)
+
+    def _node_for(self, parent: int, entry: Entry) -> Node:
+        location = self._child_location(parent, entry.name)
+        with self._lock:
+            inode = self._inode_of.get((parent, entry.name))
+            if inode is None:
+                inode = next(self._next_inode)
+                self._inode_of[(parent, entry.name)] = inode
+            node = Node(location, entry, inode)
+            self.nodes[inode] = node
+        return node
+
+    async def _listing(self, inode: int) -> list[Entry]:
+        try:
+            return await trio.to_thread.run_sync(self._listing_sync, inode)
+        except (OSError, ValueError) as exc:
+            log.warning("listing failed", inode=inode, error=str(exc))
+            raise _to_fuse_error(exc) from exc
+
+    async def lookup(self, parent_inode, name, ctx=None):  # type: ignore[no-untyped-def]
+        if parent_inode not in self.nodes or not self.nodes[parent_inode].entry.is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        decoded = os.fsdecode(name)
+        if decoded == ".":
+            return self._attrs(self.nodes[parent_inode])
+        for entry in await self._listing(parent_inode):
+            if entry.name == decoded:
+                return self._attrs(self._node_for(parent_inode, entry))
+        raise pyfuse3.FUSEError(errno.ENOENT)
+
+    async def getattr(self, inode, ctx=None):  # type: ignore[no-untyped-def]
+        node = self.nodes.get(inode)
+        if node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attrs(node)
+
+    async def opendir(self, inode, ctx):  # type: ignore[no-untyped-def]
+        node = self.nodes.get(inode)
+        if node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if not node.entry.is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    async def readdir(self, fh, start_id, token):  # type: ignore[no-untyped-def]
+        entries = await self._listing(fh)
+        for index in range(start_id, len(entries)):
+            node = self._node_for(fh, entries[index])
+            if not pyfuse3.readdir_reply(token, os.fsencode(entries[index].name), self._attrs(node), index + 1):
+                return
+
+    async def releasedir(self, fh):  # type: ignore[no-untyped-def]
+        return None
+
+    async def statfs(self, ctx):  # type: ignore[no-untyped-def]
+        # Overlayfs and df need an answer; a remote store has no free space to report.
+        data = pyfuse3.StatvfsData()
+        data.f_bsize = data.f_frsize = 4096
+        data.f_namemax = 255
+        return data
+
+    # --- reading ---------------------------------------------------------------------
+
+    async def open(self, inode, flags, ctx):  # type: ignore[no-untyped-def]
+        node = self.nodes.get(inode)
+        if node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & (os.O_TRUNC | os.O_APPEND):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if node.entry.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        try:
+            reader = await trio.to_thread.run_sync(self.client.reader, node.location)
+        except (OSError, ValueError) as exc:
+            log.warning("open failed", uri=str(node.location), error=str(exc))
+            raise _to_fuse_error(exc) from exc
+        fh = next(self._next_fh)
+        self._handles[fh] = Handle(reader, reader.new_pattern(), inode)
+        previous = self._opened_versions.get(inode)
+        self._opened_versions[inode] = reader.remote.version
+        if reader.size != node.entry.size:
+            node.entry = Entry(node.entry.name, False, reader.size, node.entry.mtime, reader.remote.version)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=previous == reader.remote.version)
+
+    def _pread(self, handle: Handle, offset: int, size: int) -> bytes:
+        buffer = bytearray(max(0, min(size, handle.reader.size - offset)))
+        n = handle.reader.readinto(offset, memoryview(buffer), handle.pattern)
+        return bytes(memoryview(buffer)[:n])
+
+    async def read(self, fh, off, size):  # type: ignore[no-untyped-def]
+        handle = self._handles.get(fh)
+        if handle is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        FUSE_READ_BYTES.observe(size)
+        try:
+            return await trio.to_thread.run_sync(self._pread, handle, off, size)
+        except OSError as exc:
+            log.error("read failed", uri=handle.reader.uri, offset=off, size=size, error=str(exc))
+            raise _to_fuse_error(exc) from exc
+
+    async def release(self, fh):  # type: ignore[no-untyped-def]
+        handle = self._handles.pop(fh, None)
+        if handle is None:
+            return
+        await trio.to_thread.run_sync(handle.reader.close)
+        stats = handle.reader.stats
+        if stats.served_bytes:
+            log.info(
+                "file closed",
+                uri=handle.reader.uri,
+                served_bytes=stats.served_bytes,
+                fetched_bytes=stats.fetched_bytes,
+                mb_per_s=round(stats.throughput() / 1e6, 1),
+                retries=stats.retries,
+                hedges=stats.hedges,
+                readahead_hit_bytes=stats.readahead_hit_bytes,
+                readahead_waste_bytes=stats.readahead_waste_bytes,
+            )
+
+    def close_all(self) -> None:
+        for handle in self._handles.values():
+            handle.reader.close()
+        self._handles.clear()
+
+    # --- everything that writes ------------------------------------------------------
+
+    async def _read_only(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    setattr = create = mknod = mkdir = symlink = link = _read_only  # type: ignore[assignment]
+    unlink = rmdir = rename = write = setxattr = removexattr = _read_only  # type: ignore[assignment]

@@ -1,0 +1,120 @@
+"""A real nginx serving a directory on 127.0.0.1 with Range support, a JSON
+autoindex and a per-connection rate limit; stopped and restarted by PID on the
+same port to play a server failing mid-read. Used by the tests and by
+bench/checkpoint.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.harness.procs import Daemon, free_tcp_port, start_daemon, tcp_port_answers
+
+_CONF = """\
+daemon off;
+{user}
+worker_processes {workers};
+pid {state}/nginx.pid;
+error_log {state}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log {access_log};
+    client_body_temp_path {state}/client_body;
+    proxy_temp_path {state}/proxy;
+    fastcgi_temp_path {state}/fastcgi;
+    uwsgi_temp_path {state}/uwsgi;
+    scgi_temp_path {state}/scgi;
+    default_type application/octet-stream;
+    sendfile on;
+    keepalive_requests 100000;
+    server {{
+        listen 127.0.0.1:{port};
+        root {root};
+        location / {{
+            autoindex on;
+            autoindex_format json;
+            limit_rate {limit_rate};
+            max_ranges {max_ranges};
+        }}
+    }}
+}}
+"""
+
+
+@dataclass
+class Nginx:
+    root: Path
+    port: int
+    state: Path
+    limit_rate: str
+    daemon: Daemon | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def access_log(self) -> Path:
+        return self.state / "access.log"
+
+    def start(self) -> None:
+        conf = self.state / "nginx.conf"
+        self.daemon = start_daemon(
+            "nginx",
+            ["nginx", "-p", str(self.state), "-c", str(conf), "-e", str(self.state / "error.log")],
+            self.state / "nginx.out",
+            ready=lambda: tcp_port_answers("127.0.0.1", self.port),
+        )
+
+    def stop(self) -> None:
+        """SIGTERM to the master's PID: a fast shutdown that drops open connections."""
+        if self.daemon is not None:
+            self.daemon.stop()
+            self.daemon.kill_group()
+            self.daemon = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+def start_nginx(
+    root: Path,
+    limit_rate: str = "0",
+    workers: int = 1,
+    ranges: bool = True,
+    access_log: bool = True,
+) -> Nginx:
+    """nginx serving `root`; `limit_rate` per connection ("0": unlimited, "25m")."""
+    state = Path(tempfile.mkdtemp(prefix="bs-nginx-", dir="/tmp"))
+    port = free_tcp_port()
+    # As root, workers would drop to `nobody`, who cannot enter pytest's
+    # private temp dirs.
+    user = "user root root;" if os.geteuid() == 0 else ""
+    (state / "nginx.conf").write_text(
+        _CONF.format(
+            user=user,
+            workers=workers,
+            state=state,
+            port=port,
+            root=root.absolute(),
+            limit_rate=limit_rate,
+            max_ranges="" if ranges else "0",
+            access_log=f"{state}/access.log" if access_log else "off",
+        ).replace("max_ranges ;", "")
+    )
+    server = Nginx(root=root, port=port, state=state, limit_rate=limit_rate)
+    try:
+        server.start()
+    except BaseException:
+        shutil.rmtree(state, ignore_errors=True)
+        raise
+    return server
+
+
+def remove(server: Nginx) -> None:
+    server.stop()
+    shutil.rmtree(server.state, ignore_errors=True)
