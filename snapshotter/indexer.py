@@ -12,10 +12,10 @@ from pathlib import Path
 import structlog
 from tqdm import tqdm
 
-from snapshotter.layer import artifact
+from snapshotter.layer.artifact import index_blobs
 from snapshotter.layer.build import UnsupportedLayer, build_index
 from snapshotter.layer.index import ARTIFACT_TYPE, DEFAULT_SPAN, LAYER_ANNOTATION, MEDIA_TYPE
-from snapshotter.registry import media
+from snapshotter.registry import artifact, media
 from snapshotter.registry.client import RegistryClient
 from snapshotter.registry.media import Descriptor
 from snapshotter.registry.reference import Reference
@@ -35,19 +35,6 @@ class IndexReport:
     skipped: dict[str, str] = field(default_factory=dict)  # layer -> why not lazily servable
 
 
-def _existing(client: RegistryClient, ref: Reference, manifest_digest: str) -> dict[str, Descriptor]:
-    """Index blobs already in the registry for this image, by layer digest."""
-    found: dict[str, Descriptor] = {}
-    for desc in client.referrers(ref, manifest_digest, artifact_type=ARTIFACT_TYPE):
-        data, media_type, _ = client.fetch_manifest(ref.with_digest(desc.digest))
-        parsed = media.parse(data, media_type)
-        if isinstance(parsed, media.Manifest) and parsed.subject and parsed.subject.digest == manifest_digest:
-            for layer in parsed.layers:
-                if LAYER_ANNOTATION in layer.annotations:
-                    found[layer.annotations[LAYER_ANNOTATION]] = layer
-    return found
-
-
 def index_image(
     client: RegistryClient,
     ref: Reference,
@@ -57,7 +44,7 @@ def index_image(
 ) -> IndexReport:
     image = client.resolve(ref, platform)
     report = IndexReport(manifest_digest=image.manifest_digest)
-    existing = _existing(client, ref, image.manifest_digest)
+    existing = index_blobs(artifact.referrers(client, ref, image.manifest_digest, ARTIFACT_TYPE))
     blobs: list[Descriptor] = []
     for layer in image.manifest.layers:
         if layer.digest in existing:
@@ -81,9 +68,7 @@ def index_image(
     if not report.indexed:
         # Nothing new: whatever artifact exists already says all we know.
         return report
-    client.push_blob(ref, artifact.EMPTY_CONFIG, media_type=media.OCI_EMPTY)
-    manifest = artifact.build_manifest(image.manifest_descriptor, blobs)
-    report.artifact_digest = client.push_referrer(ref, manifest, media.OCI_MANIFEST, image.manifest_digest)
+    report.artifact_digest = artifact.push(client, ref, image.manifest_descriptor, ARTIFACT_TYPE, blobs)
     return report
 
 

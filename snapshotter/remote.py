@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 import structlog
 
 from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
-from snapshotter.layer import artifact as artifact_mod
+from snapshotter.layer.artifact import index_blobs
 from snapshotter.layer.index import ARTIFACT_TYPE, IndexFormatError, LayerIndex
 from snapshotter.model import Snapshot
-from snapshotter.registry import media
+from snapshotter.registry import artifact
+from snapshotter.registry.media import Descriptor
 from snapshotter.registry.reference import Reference, parse as parse_reference
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class RemoteLayers:
         self._client_factory = client_factory
         self._client: RegistryClient | None = None
         # Index blobs per image manifest: {layer digest: index blob descriptor digest}.
-        self._artifacts: dict[str, dict[str, str]] = {}
+        self._artifacts: dict[str, dict[str, Descriptor]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -106,39 +107,28 @@ class RemoteLayers:
         if not manifest_digest:
             manifest_digest = self.client.resolve(ref).manifest_digest
         blobs = self._index_blobs(ref, manifest_digest)
-        blob_digest = blobs.get(layer_digest)
-        if blob_digest is None:
+        blob = blobs.get(layer_digest)
+        if blob is None:
             raise NotLazy(f"the index artifact of {manifest_digest} has no entry for {layer_digest}")
         buffer = io.BytesIO()
-        self.client.fetch_blob(ref, blob_digest, buffer)
+        self.client.fetch_blob(ref, blob.digest, buffer)
         encoded = buffer.getvalue()
         try:
             index = LayerIndex.decode(encoded)
         except IndexFormatError as exc:
             raise NotLazy(f"the index of {layer_digest} is unusable: {exc}") from None
         if index.layer_digest != layer_digest:
-            raise NotLazy(f"the index {blob_digest} describes {index.layer_digest}, not {layer_digest}")
+            raise NotLazy(f"the index {blob.digest} describes {index.layer_digest}, not {layer_digest}")
         return index, encoded
 
-    def _index_blobs(self, ref: Reference, manifest_digest: str) -> dict[str, str]:
+    def _index_blobs(self, ref: Reference, manifest_digest: str) -> dict[str, Descriptor]:
         with self._lock:
             cached = self._artifacts.get(manifest_digest)
         if cached is not None:
             return cached
-        referrers = self.client.referrers(ref, manifest_digest, artifact_type=ARTIFACT_TYPE)
-        if not referrers:
+        blobs = index_blobs(artifact.referrers(self.client, ref, manifest_digest, ARTIFACT_TYPE))
+        if not blobs:
             raise NotLazy(f"image {ref} ({manifest_digest}) has no bootseer index; run `bootseer index {ref}`")
-        # The newest index wins: each `bootseer index` run that found layers
-        # missing pushes a fuller artifact.
-        artifact = referrers[-1]
-        data, media_type, _ = self.client.fetch_manifest(ref.with_digest(artifact.digest))
-        parsed = media.parse(data, media_type)
-        if not isinstance(parsed, media.Manifest):
-            raise NotLazy(f"index artifact {artifact.digest} is not a manifest")
-        try:
-            blobs = artifact_mod.index_blobs(parsed, manifest_digest)
-        except ValueError as exc:
-            raise NotLazy(str(exc)) from None
         with self._lock:
             self._artifacts[manifest_digest] = blobs
         return blobs
