@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from bootseer import config as config_mod
 from bootseer import log
 
 # Modules with a `register(subparsers)` function, in --help order.
-PARTS = ("snapshotter.cli", "snapshotter.pull", "hdfs_fuse.cli", "depsnap.cli")
+PARTS = ("snapshotter.cli", "snapshotter.pull", "recorder.cli", "depsnap.cli", "hdfs_fuse.cli")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,8 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bootseer", description="Start large ML training jobs fast.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in PARTS:
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name).register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from depsnap.settings import DepsnapConfig
 from hdfs_fuse.settings import HdfsFuseConfig
 
 DEFAULT_PATH = Path("/etc/bootseer/config.toml")
@@ -54,6 +55,12 @@ class FsConfig:
     # A stored layer no snapshot uses is removed by containerd's cleanup once
     # it is this old (younger ones may belong to a pull under way).
     layer_gc_grace_s: float = 600.0
+    # Hot blocks: a first run's recording ends once no new block was read
+    # for record_idle_s, or after record_max_s.
+    record_idle_s: float = 10.0
+    record_max_s: float = 300.0
+    # Parallel Range requests of the hot-block prefetcher (per layer).
+    prefetch_parallel: int = 4
 
 
 @dataclass
@@ -71,6 +78,7 @@ class Config:
     fs: FsConfig = field(default_factory=FsConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     hdfs_fuse: HdfsFuseConfig = field(default_factory=HdfsFuseConfig)
+    depsnap: DepsnapConfig = field(default_factory=DepsnapConfig)
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -1,0 +1,346 @@
+"""depsnap against pip and uv on a heavy, realistic environment.
+
+Each run is a fresh node: empty pip/uv caches, an empty depsnap node cache
+and an empty store. Measured side by side in one run:
+
+- `pip install -r` into a new venv;
+- `uv pip install -r` into a new venv (cold cache);
+- `depsnap ensure`, miss: uv install + capture + publish;
+- `depsnap ensure`, hit on a fresh node: the snapshot comes from the store,
+  an nginx on 127.0.0.1 whose per-connection rate is the bandwidth measured
+  to the package index;
+- `depsnap ensure`, hit on the same node again (a restart): node cache.
+
+Run: `make bench-depsnap` (or `.venv/bin/python -m bench.depsnap --help`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import report
+from tests.harness.procs import Daemon, free_tcp_port, start_daemon, tcp_port_answers
+
+VENV_BIN = Path(sys.executable).parent
+BOOTSEER = VENV_BIN / "bootseer"
+UV = VENV_BIN / "uv"
+PYTHON = Path(os.path.realpath(sys.executable))
+ROOT = Path("/tmp/depsnap-bench")
+
+# torch's CPU wheel lies on local disk (/opt/wheels); the rest come from the index.
+HEAVY = """\
+--find-links /opt/wheels
+torch==2.13.0
+numpy
+pandas
+scipy
+scikit-learn
+matplotlib
+pillow
+sympy
+requests
+pyyaml
+tqdm
+jinja2
+protobuf
+psutil
+regex
+safetensors
+# Built from its sdist, C extension and all, as real environments have some.
+--no-binary simplejson
+simplejson
+"""
+SMALL = """\
+numpy
+pandas
+requests
+pyyaml
+--no-binary simplejson
+simplejson
+"""
+# A ~12 MB wheel from the index, to measure the bandwidth the installers get.
+PROBE_PACKAGE = "pandas"
+
+# Workers run as root: they write PUT bodies into the bench's private dirs.
+NGINX_CONF = """\
+user root;
+worker_processes 1;
+error_log {dir}/error.log;
+pid {dir}/nginx.pid;
+events {{ worker_connections 64; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    sendfile on;
+    server {{
+        listen 127.0.0.1:{port};
+        root {store};
+        client_max_body_size 0;
+        location / {{
+            limit_rate {rate};
+            dav_methods PUT DELETE;
+            create_full_put_path on;
+        }}
+    }}
+}}
+"""
+
+
+def index_bandwidth() -> float:
+    """Bytes/s of a wheel download from the index (median of three)."""
+    with httpx.Client(timeout=60.0, follow_redirects=True) as client:
+        listing = f"https://pypi.org/pypi/{PROBE_PACKAGE}/json"
+        files = client.get(listing).json()["urls"]
+        wheel = next(
+            f
+            for f in files
+            if "cp311-cp311-manylinux" in f["filename"] and "x86_64" in f["filename"]
+        )
+        # The index may hand out relative links.
+        url = httpx.URL(listing).join(wheel["url"])
+        speeds = []
+        for _ in range(3):
+            started = time.perf_counter()
+            size = len(client.get(url).content)
+            speeds.append(size / (time.perf_counter() - started))
+    return statistics.median(speeds)
+
+
+@contextmanager
+def shaped_store(store: Path, rate: int) -> Iterator[str]:
+    """nginx serving `store` over HTTP on 127.0.0.1 at `rate` bytes/s per connection."""
+    conf_dir = Path(tempfile.mkdtemp(prefix="nginx-", dir=ROOT))
+    port = free_tcp_port()
+    conf = conf_dir / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(dir=conf_dir, port=port, store=store, rate=rate))
+    daemon: Daemon = start_daemon(
+        "nginx",
+        ["nginx", "-p", str(conf_dir), "-c", str(conf), "-g", "daemon off;"],
+        conf_dir / "nginx.out",
+        ready=lambda: tcp_port_answers("127.0.0.1", port),
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        daemon.stop()
+
+
+def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
+    started = time.perf_counter()
+    result = subprocess.run(argv, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(
+            f"`{' '.join(argv)}` failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
+    return elapsed, result.stdout
+
+
+def timed_steps(steps: list[list[str]], env: dict[str, str]) -> float:
+    return sum(timed(argv, env)[0] for argv in steps)
+
+
+def one_run(req: Path, store_url: str, store_dir: Path, with_pip: bool) -> dict[str, float]:
+    run = Path(tempfile.mkdtemp(prefix="run-", dir=ROOT))
+    env = dict(os.environ)
+    env["PIP_CACHE_DIR"] = str(run / "pip-cache")
+    env["UV_CACHE_DIR"] = str(run / "uv-cache")
+    env["UV_PYTHON_DOWNLOADS"] = "never"
+    times: dict[str, float] = {}
+    if with_pip:
+        pip_env = run / "pip-env"
+        times["pip"] = timed_steps(
+            [
+                [str(PYTHON), "-m", "venv", str(pip_env)],
+                [str(pip_env / "bin" / "python"), "-m", "pip", "install", "-q", "-r", str(req)],
+            ],
+            env,
+        )
+        shutil.rmtree(pip_env)
+    uv_env = run / "uv-env"
+    times["uv"] = timed_steps(
+        [
+            [str(UV), "venv", "-q", "--python", str(PYTHON), str(uv_env)],
+            [
+                str(UV),
+                "pip",
+                "install",
+                "-q",
+                "--python",
+                str(uv_env / "bin" / "python"),
+                "-r",
+                str(req),
+            ],
+        ],
+        env,
+    )
+    shutil.rmtree(uv_env)
+    shutil.rmtree(run / "uv-cache")
+    env["UV_CACHE_DIR"] = str(run / "uv-cache-2")
+
+    # The same target path every time: a venv's snapshot is valid only there.
+    target = ROOT / "env"
+    for leftover in store_dir.iterdir():
+        leftover.unlink()
+
+    def ensure(cache: Path) -> tuple[float, str]:
+        return timed(
+            [
+                str(BOOTSEER),
+                "depsnap",
+                "ensure",
+                "-r",
+                str(req),
+                "--target",
+                str(target),
+                "--python",
+                str(PYTHON),
+                "--installer",
+                "uv",
+                "--store",
+                store_url,
+                "--cache-dir",
+                str(cache),
+                "--no-daemon",
+                "--log-level",
+                "warning",
+            ],
+            env,
+        )
+
+    def release() -> None:
+        timed([str(BOOTSEER), "depsnap", "release", "--target", str(target)], env)
+
+    times["depsnap_miss"], out = ensure(run / "node-a")
+    assert " miss " in out and store_url in out, out
+    release()
+    times["depsnap_hit"], out = ensure(run / "node-b")
+    assert " hit " in out and "from store" in out, out
+    timed([str(target / "bin" / "python"), "-c", "import numpy, pandas"], env)
+    release()
+    times["depsnap_hit_node_cache"], out = ensure(run / "node-b")
+    assert "from node cache" in out, out
+    release()
+    snapshots = list(store_dir.glob("*.dsnap"))
+    times["snapshot_bytes"] = snapshots[0].stat().st_size
+    times["image_bytes"] = next((run / "node-b" / "images").iterdir()).stat().st_size
+    shutil.rmtree(run)
+    return times
+
+
+def plot(medians: dict[str, float], limit_s: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [
+        k
+        for k in ("pip", "uv", "depsnap_miss", "depsnap_hit", "depsnap_hit_node_cache")
+        if k in medians
+    ]
+    values = [medians[k] for k in labels]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bars = ax.bar(
+        [label.replace("depsnap_", "depsnap\n") for label in labels], values, color="#4878a8"
+    )
+    ax.bar_label(bars, labels=[f"{v:.2f} s" for v in values])
+    ax.axhline(
+        limit_s, color="#c44", linestyle="--", label=f"limit (snapshot / bandwidth) {limit_s:.2f} s"
+    )
+    ax.set_ylabel("time to a ready environment (s, median)")
+    ax.set_title("depsnap: heavy ML environment, fresh node per run")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=3, help="fresh-node runs (default 3)")
+    parser.add_argument("--small", action="store_true", help="no torch: a quick smoke run")
+    parser.add_argument("--skip-pip", action="store_true", help="leave out pip (its ~50 s per run)")
+    parser.add_argument(
+        "--bandwidth", type=float, help="store link in MB/s (default: measured to the index)"
+    )
+    args = parser.parse_args(argv)
+
+    shutil.rmtree(ROOT, ignore_errors=True)
+    ROOT.mkdir(parents=True)
+    req = ROOT / "requirements.txt"
+    req.write_text(SMALL if args.small else HEAVY)
+    bandwidth = args.bandwidth * 1e6 if args.bandwidth else index_bandwidth()
+    print(f"store link shaped to {bandwidth / 1e6:.1f} MB/s (the index's bandwidth)", flush=True)
+    store_dir = ROOT / "store"
+    store_dir.mkdir()
+    runs = []
+    try:
+        with shaped_store(store_dir, int(bandwidth)) as store_url:
+            for n in range(args.runs):
+                runs.append(one_run(req, store_url, store_dir, not args.skip_pip))
+                print(
+                    f"run {n + 1}/{args.runs}: "
+                    + ", ".join(
+                        f"{k} {v:.2f} s" for k, v in runs[-1].items() if not k.endswith("bytes")
+                    ),
+                    flush=True,
+                )
+    finally:
+        subprocess.run(
+            [str(BOOTSEER), "depsnap", "release", "--target", str(ROOT / "env")],
+            capture_output=True,
+        )
+    medians = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    limit_s = medians["snapshot_bytes"] / bandwidth
+    hit = medians["depsnap_hit"]
+    ratios = {
+        "hit_vs_uv": hit / medians["uv"],
+        "hit_vs_limit": hit / limit_s,
+        "node_cache_hit_vs_uv": medians["depsnap_hit_node_cache"] / medians["uv"],
+        "miss_vs_uv": medians["depsnap_miss"] / medians["uv"],
+    }
+    if "pip" in medians:
+        ratios["hit_vs_pip"] = hit / medians["pip"]
+        ratios["node_cache_hit_vs_pip"] = medians["depsnap_hit_node_cache"] / medians["pip"]
+    results: dict[str, Any] = {
+        "set": "small" if args.small else "heavy",
+        "requirements": req.read_text(),
+        "bandwidth_bytes_per_s": bandwidth,
+        "limit_s": limit_s,
+        "medians_s": {k: v for k, v in medians.items() if not k.endswith("bytes")},
+        "snapshot_bytes": medians["snapshot_bytes"],
+        "image_bytes": medians["image_bytes"],
+        "ratios": ratios,
+        "targets": {"hit_vs_pip": 0.05, "hit_vs_uv": 0.25, "hit_vs_limit": 1.25},
+        "runs": runs,
+    }
+    path = report.write("depsnap", results)
+    plot(results["medians_s"], limit_s, report.RESULTS / "depsnap.png")
+    print(f"wrote {path} and {report.RESULTS / 'depsnap.png'}")
+    for name, value in ratios.items():
+        print(f"  {name}: {value:.3f}")
+    shutil.rmtree(ROOT, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""`bootseer depsnap`: ensure, run, key, release, serve."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from bootseer.cli import add_common_arguments, load_config
+from depsnap.settings import DepsnapConfig
+
+STORE_ENV = "BOOTSEER_DEPSNAP_STORE"
+
+
+def _settings(args: argparse.Namespace) -> DepsnapConfig:
+    """The [depsnap] config section with this command's flags applied."""
+    cfg = load_config(args)
+    settings: DepsnapConfig = cfg.depsnap
+    for name in ("store", "cache_dir", "cache_max_bytes", "socket", "metrics_address"):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(settings, name, value)
+    if getattr(args, "store", None) is None and os.environ.get(STORE_ENV):
+        settings.store = os.environ[STORE_ENV]
+    return settings
+
+
+def _node(settings: DepsnapConfig, no_daemon: bool):  # type: ignore[no-untyped-def]
+    from depsnap import client
+    from depsnap.cache import Cache
+    from depsnap.progress import byte_progress
+
+    if no_daemon:
+        return client.LocalNode(
+            Cache(settings.cache_dir, settings.cache_max_bytes), byte_progress()
+        )
+    return client.connect(
+        settings.socket, settings.cache_dir, settings.cache_max_bytes, byte_progress()
+    )
+
+
+def _env_request(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from depsnap.inputs import EnvRequest
+
+    return EnvRequest(
+        requirements=args.requirement,
+        target=args.target,
+        python=args.python,
+        installer=args.installer,
+        base_image=args.base_image,
+    )
+
+
+def _fail(message: str) -> int:
+    print(f"bootseer depsnap: {message}", file=sys.stderr)
+    return 2
+
+
+def _input_errors() -> tuple[type[Exception], ...]:
+    from depsnap.image import ImageError
+    from depsnap.inputs import InputError
+    from depsnap.installer import InstallerError
+    from depsnap.requirements import RequirementsError
+    from depsnap.snapshot import RestoreError
+    from depsnap.store import StoreUnavailable
+
+    return (
+        InputError,
+        InstallerError,
+        RequirementsError,
+        RestoreError,
+        ImageError,
+        StoreUnavailable,
+    )
+
+
+def _ensure(args: argparse.Namespace) -> int:
+    from depsnap.ensure import ensure
+
+    settings = _settings(args)
+    try:
+        outcome = ensure(
+            _env_request(args),
+            _node(settings, args.no_daemon),
+            settings.store or None,
+            args.restore,
+        )
+    except _input_errors() as exc:
+        return _fail(str(exc))
+    print(outcome.line())
+    return outcome.returncode
+
+
+def _run(args: argparse.Namespace) -> int:
+    from depsnap.inputs import RunRequest
+    from depsnap.run import memoise
+
+    settings = _settings(args)
+    command = args.command_argv
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        return _fail("run needs a command after --")
+    if not args.path:
+        return _fail("run needs at least one --path to capture")
+    request = RunRequest(command, args.input or [], args.path, args.base_image)
+    try:
+        outcome = memoise(request, _node(settings, args.no_daemon), settings.store or None)
+    except _input_errors() as exc:
+        return _fail(str(exc))
+    print(outcome.line(), file=sys.stderr)
+    return outcome.returncode
+
+
+def _key(args: argparse.Namespace) -> int:
+    from depsnap import inputs as inputs_mod
+    from depsnap.key import compute, describe
+
+    load_config(args)
+    try:
+        if args.command_argv:
+            command = args.command_argv[1:] if args.command_argv[0] == "--" else args.command_argv
+            request = inputs_mod.RunRequest(
+                command, args.input or [], args.path or [], args.base_image
+            )
+            gathered = inputs_mod.for_run(request, os.environ, Path.cwd())
+        else:
+            if not args.requirement or args.target is None:
+                return _fail("key needs -r and --target (an environment), or -- COMMAND (a run)")
+            gathered = inputs_mod.for_env(_env_request(args), os.environ, Path.cwd())
+    except _input_errors() as exc:
+        return _fail(str(exc))
+    print(describe(compute(gathered), gathered))
+    return 0
+
+
+def _release(args: argparse.Namespace) -> int:
+    from depsnap.snapshot import release
+
+    load_config(args)
+    release(args.target.absolute())
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from depsnap.daemon import serve
+
+    serve(_settings(args))
+    return 0
+
+
+def _add_env_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument(
+        "-r",
+        "--requirement",
+        type=Path,
+        action="append",
+        required=required,
+        help="requirements file (repeatable; -r/-c files it includes count too)",
+    )
+    parser.add_argument(
+        "--target", type=Path, required=required, help="the environment's directory"
+    )
+    parser.add_argument(
+        "--python",
+        type=Path,
+        default=Path(sys.executable),
+        help="interpreter for the environment (default: the one running bootseer)",
+    )
+    parser.add_argument("--installer", choices=("uv", "pip"), default="uv")
+
+
+def _add_base_image(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--base-image", help="digest of the container image this runs in (or BOOTSEER_BASE_IMAGE)"
+    )
+
+
+def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store", help=f"snapshot store: directory or pyarrow.fs URI (or {STORE_ENV})"
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, help="node cache directory (used without the daemon)"
+    )
+    parser.add_argument("--cache-max-bytes", type=int, help="node cache size cap")
+    parser.add_argument("--socket", type=Path, help="the node daemon's unix socket")
+    parser.add_argument("--no-daemon", action="store_true", help="use the node cache directly")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "depsnap",
+        help="snapshot installed dependencies once, restore them by key",
+        description=(
+            "Capture what an installer wrote once and restore it by key on every later start "
+            "with the same inputs."
+        ),
+    )
+    commands = parser.add_subparsers(dest="depsnap_command", required=True, metavar="COMMAND")
+
+    ensure = commands.add_parser(
+        "ensure", help="restore the environment for requirements, or install and capture it"
+    )
+    add_common_arguments(ensure)
+    _add_env_arguments(ensure, required=True)
+    _add_base_image(ensure)
+    _add_node_arguments(ensure)
+    ensure.add_argument(
+        "--restore",
+        choices=("mount", "copy"),
+        default="mount",
+        help="mount the image with a writable overlay (default), or copy its files",
+    )
+    ensure.set_defaults(func=_ensure)
+
+    run = commands.add_parser(
+        "run",
+        help="memoise any install command's effects under the given paths",
+        description="Run COMMAND once and capture what it changed under each --path; "
+        "later runs with the same command line and inputs restore that instead.",
+    )
+    add_common_arguments(run)
+    run.add_argument(
+        "--input", type=Path, action="append", help="file the command reads (repeatable)"
+    )
+    run.add_argument("--path", type=Path, action="append", help="directory it writes (repeatable)")
+    _add_base_image(run)
+    _add_node_arguments(run)
+    run.add_argument("command_argv", nargs=argparse.REMAINDER, metavar="-- COMMAND")
+    run.set_defaults(func=_run)
+
+    key = commands.add_parser(
+        "key",
+        help="print the key and every input that goes into it",
+        description="For an environment give -r and --target; for a run give --input/--path "
+        "and -- COMMAND.",
+    )
+    add_common_arguments(key)
+    _add_env_arguments(key, required=False)
+    _add_base_image(key)
+    key.add_argument("--input", type=Path, action="append", help="run: an input file")
+    key.add_argument("--path", type=Path, action="append", help="run: a captured path")
+    key.add_argument("command_argv", nargs=argparse.REMAINDER, metavar="-- COMMAND")
+    key.set_defaults(func=_key)
+
+    release = commands.add_parser(
+        "release", help="unmount and remove an environment that ensure put at TARGET"
+    )
+    add_common_arguments(release)
+    release.add_argument("--target", type=Path, required=True)
+    release.set_defaults(func=_release)
+
+    serve = commands.add_parser(
+        "serve", help="run the node daemon (node cache behind a unix socket)"
+    )
+    add_common_arguments(serve)
+    serve.add_argument("--store", help="default snapshot store for requests that name none")
+    serve.add_argument("--cache-dir", type=Path, help="node cache directory")
+    serve.add_argument(
+        "--cache-max-bytes", type=int, help="evict least recently used images above this"
+    )
+    serve.add_argument("--socket", type=Path, help="unix socket to serve on")
+    serve.add_argument("--metrics-address", help="host:port for Prometheus metrics; empty: off")
+    serve.set_defaults(func=_serve)

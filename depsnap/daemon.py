@@ -1,0 +1,229 @@
+"""`bootseer depsnap serve`: the node cache behind a unix socket.
+
+Every container on the node asks this one process for images, so the node
+holds each image once, downloads it once however many containers ask for it
+at the same moment (they wait on the same per-key lock and then find it
+cached), and stays under its size cap by evicting the least recently used.
+
+Protocol: one JSON line per request and per reply; an image travels as a
+file descriptor (SCM_RIGHTS) beside the reply, so clients need the socket and
+nothing else of the host.
+
+    {"op": "fetch", "key": K, "store": URI|null} -> {"ok", "found", "source", "size"} + fd
+    {"op": "put", "key": K} + fd                 -> {"ok"}
+    {"op": "discard", "key": K}                  -> {"ok"}
+    {"op": "stats"}                              -> {"ok", counters...}
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socketserver
+import threading
+from collections import Counter as Tally
+from pathlib import Path
+from typing import Any
+
+import structlog
+from prometheus_client import Counter, Gauge, start_http_server
+
+from depsnap.cache import Cache
+from depsnap.client import daemon_answers, recv_message, send_message
+from depsnap.format import CorruptSnapshot
+from depsnap.settings import DepsnapConfig
+from depsnap.store import SnapshotStore, StoreUnavailable, open_store
+
+log = structlog.get_logger("depsnap.daemon")
+
+FETCHES = Counter("depsnap_fetches", "Image requests by outcome", ["outcome"])
+DOWNLOADED = Counter("depsnap_downloaded_bytes", "Image bytes fetched from stores")
+EVICTIONS = Counter("depsnap_evictions", "Images evicted to stay under the cap")
+CACHED_BYTES = Gauge("depsnap_cache_bytes", "Bytes of images in the node cache")
+
+_KEY_CHARS = frozenset("0123456789abcdef")
+
+
+class BadRequest(Exception):
+    pass
+
+
+def _key(request: dict[str, Any]) -> str:
+    key = request.get("key")
+    # Keys name files in the cache: only the digests depsnap makes are accepted.
+    if not isinstance(key, str) or len(key) != 64 or not set(key) <= _KEY_CHARS:
+        raise BadRequest("key must be 64 lowercase hex digits")
+    return key
+
+
+class NodeCache:
+    """The daemon's state and operations, apart from the socket plumbing."""
+
+    def __init__(self, settings: DepsnapConfig) -> None:
+        self.cache = Cache(settings.cache_dir, settings.cache_max_bytes)
+        self.default_store = settings.store or None
+        self.tally: Tally[str] = Tally()
+        self._lock = threading.Lock()
+        self._stores: dict[str, SnapshotStore] = {}
+        CACHED_BYTES.set(self.cache.size())
+
+    def _store(self, uri: str | None) -> SnapshotStore | None:
+        uri = uri or self.default_store
+        if not uri:
+            return None
+        with self._lock:
+            if uri not in self._stores:
+                self._stores[uri] = open_store(uri)
+            return self._stores[uri]
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.tally[what] += n
+
+    def _evict(self, key: str) -> None:
+        for gone in self.cache.evict(keep=key):
+            EVICTIONS.inc()
+            self._count("evictions")
+            log.info("evicted", key=gone.key, bytes=gone.size)
+        CACHED_BYTES.set(self.cache.size())
+
+    def fetch(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        key = _key(request)
+        fetched = self.cache.fetch(key, self._store(request.get("store")))
+        if fetched is None:
+            FETCHES.labels("absent").inc()
+            self._count("absent")
+            return {"ok": True, "found": False}, []
+        outcome = "hits" if fetched.source == "cache" else "downloads"
+        FETCHES.labels(outcome).inc()
+        self._count(outcome)
+        if fetched.source == "store":
+            DOWNLOADED.inc(fetched.size)
+            self._count("downloaded_bytes", fetched.size)
+            log.info("downloaded", key=key, bytes=fetched.size)
+            self._evict(key)
+        fd = os.open(fetched.path, os.O_RDONLY)
+        return {"ok": True, "found": True, "source": fetched.source, "size": fetched.size}, [fd]
+
+    def put(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        key = _key(request)
+        if len(fds) != 1:
+            raise BadRequest("put needs exactly one file descriptor")
+        temp = self.cache.tmp / f"put-{key}-{threading.get_ident()}"
+        with os.fdopen(os.dup(fds[0]), "rb") as source, open(temp, "wb") as dest:
+            shutil.copyfileobj(source, dest, 8 << 20)
+        try:
+            self.cache.put(key, temp)
+        finally:
+            temp.unlink(missing_ok=True)
+        self._count("puts")
+        self._evict(key)
+        return {"ok": True}
+
+    def discard(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.cache.discard(_key(request))
+        self._count("discards")
+        return {"ok": True}
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counts = dict(self.tally)
+        return {
+            "ok": True,
+            **counts,
+            "cache_bytes": self.cache.size(),
+            "entries": len(self.cache.entries()),
+        }
+
+    def handle(self, request: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        op = request.get("op")
+        try:
+            if op == "fetch":
+                return self.fetch(request)
+            if op == "put":
+                return self.put(request, fds), []
+            if op == "discard":
+                return self.discard(request), []
+            if op == "stats":
+                return self.stats(), []
+            raise BadRequest(f"unknown op {op!r}")
+        except BadRequest as exc:
+            return {"ok": False, "error": "bad-request", "message": str(exc)}, []
+        except CorruptSnapshot as exc:
+            FETCHES.labels("corrupt").inc()
+            self._count("corrupt")
+            log.warning("corrupt snapshot", key=request.get("key"), reason=str(exc))
+            return {"ok": False, "error": "corrupt", "message": str(exc)}, []
+        except StoreUnavailable as exc:
+            FETCHES.labels("unavailable").inc()
+            self._count("unavailable")
+            log.warning("store unavailable", reason=str(exc))
+            return {"ok": False, "error": "unavailable", "message": str(exc)}, []
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        fds: list[int] = []
+        reply_fds: list[int] = []
+        try:
+            request, fds = recv_message(self.request)
+            reply, reply_fds = self.server.node.handle(request, fds)
+            send_message(self.request, reply, reply_fds)
+        except (ConnectionError, ValueError) as exc:
+            log.warning("bad client message", reason=str(exc))
+        except Exception:
+            log.exception("request failed")
+            try:
+                send_message(
+                    self.request, {"ok": False, "error": "internal", "message": "see daemon log"}
+                )
+            except OSError:
+                pass
+        finally:
+            for fd in fds + reply_fds:
+                os.close(fd)
+
+
+class _Server(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, address: Path, node: NodeCache) -> None:
+        self.node = node
+        super().__init__(str(address), _Handler)
+
+
+def serve(settings: DepsnapConfig) -> None:
+    address = settings.socket
+    address.parent.mkdir(parents=True, exist_ok=True)
+    if daemon_answers(address):
+        raise SystemExit(f"bootseer depsnap: a daemon already answers on {address}")
+    address.unlink(missing_ok=True)
+    node = NodeCache(settings)
+    node.cache.sweep_tmp()
+    if settings.metrics_address:
+        host, _, port = settings.metrics_address.rpartition(":")
+        start_http_server(int(port), addr=host or "0.0.0.0")
+    server = _Server(address, node)
+    os.chmod(address, 0o660)
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("stopping", signal=signal.Signals(signum).name)
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info(
+        "serving",
+        socket=str(address),
+        cache_dir=str(settings.cache_dir),
+        cache_max_bytes=settings.cache_max_bytes,
+        store=settings.store or None,
+    )
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+        address.unlink(missing_ok=True)

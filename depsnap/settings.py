@@ -1,0 +1,21 @@
+"""The `[depsnap]` section of the config file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class DepsnapConfig:
+    # Where snapshots are shared between nodes: a directory or a pyarrow.fs
+    # URI (hdfs://, s3://, file://). Empty: the node cache only.
+    store: str = ""
+    # The node-local cache of images, shared by every container on the node.
+    cache_dir: Path = Path("/var/cache/bootseer/depsnap")
+    # Least recently used images go once the cache holds more than this.
+    cache_max_bytes: int = 50 << 30
+    # The node daemon's unix socket; the CLI uses the daemon when it answers here.
+    socket: Path = Path("/run/bootseer/depsnap.sock")
+    # host:port for the daemon's Prometheus metrics; empty turns them off.
+    metrics_address: str = ""
