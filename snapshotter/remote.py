@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from recorder import requests
 from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
 from snapshotter.layer.artifact import index_blobs
 from snapshotter.layer.index import ARTIFACT_TYPE, IndexFormatError, LayerIndex
@@ -66,6 +67,7 @@ class RemoteLayers:
         self._client: RegistryClient | None = None
         # Index blobs per image manifest: {layer digest: index blob descriptor digest}.
         self._artifacts: dict[str, dict[str, Descriptor]] = {}
+        self._resolved: dict[str, str] = {}
         self._lock = threading.Lock()
 
     @property
@@ -91,21 +93,48 @@ class RemoteLayers:
             raise NotLazy(f"the FUSE layer server is not mounted at {self.mountpoint}")
         layer_digest = labels[LAYER_DIGEST]
         ref = parse_reference(labels[IMAGE_REF])
+        manifest_digest = labels.get(MANIFEST_DIGEST) or self._resolve(ref)
         name = layer_name(layer_digest)
         if self.store.has(layer_digest):
             index, _ = self.store.load(name)
         else:
-            index, encoded = self._fetch_index(ref, labels.get(MANIFEST_DIGEST, ""), layer_digest)
+            index, encoded = self._fetch_index(ref, manifest_digest, layer_digest)
             self.store.add(index, LayerSource(ref=ref.name, digest=layer_digest), encoded)
         path = self.mountpoint / name
         # Looking the layer up makes the server load it, and proves it serves it.
         if not path.is_dir():
             raise NotLazy(f"the layer server does not show layer {name} at {path}")
+        self._announce(ref, manifest_digest, layer_digest)
         return LazyLayer(path=path, index=index)
 
+    def _resolve(self, ref: Reference) -> str:
+        """The manifest digest of a reference, when containerd did not label it
+        (its CRI adds cri.manifest-digest only in newer versions)."""
+        with self._lock:
+            known = self._resolved.get(str(ref))
+        if known is None:
+            known = self.client.resolve(ref).manifest_digest
+            with self._lock:
+                self._resolved[str(ref)] = known
+        return known
+
+    def _announce(self, ref: Reference, manifest_digest: str, layer_digest: str) -> None:
+        """Tell the layer server this image now has this layer, so it can
+        prefetch the image's hot blocks or record them."""
+        name = manifest_digest.split(":", 1)[1]
+        try:
+            with self._lock:
+                request = requests.read(self.store.root, name) or requests.ImageRequest(
+                    ref=str(ref), image=manifest_digest
+                )
+                if layer_digest not in request.layers:
+                    request.layers.append(layer_digest)
+                    requests.write(self.store.root, request)
+            requests.notify(self.mountpoint, name)
+        except OSError as exc:
+            log.warning("could not announce the image to the layer server", image=manifest_digest, error=str(exc))
+
     def _fetch_index(self, ref: Reference, manifest_digest: str, layer_digest: str) -> tuple[LayerIndex, bytes]:
-        if not manifest_digest:
-            manifest_digest = self.client.resolve(ref).manifest_digest
         blobs = self._index_blobs(ref, manifest_digest)
         blob = blobs.get(layer_digest)
         if blob is None:

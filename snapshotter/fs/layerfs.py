@@ -13,13 +13,15 @@ import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import pyfuse3
 import structlog
 import trio
 
 from snapshotter.fs.blockindex import BlockIndex
-from snapshotter.fs.layers import CACHE, LayerSource, LayerStore
+from recorder.requests import CONTROL_PREFIX
+from snapshotter.fs.layers import CACHE, LayerSource, LayerStore, layer_name
 from snapshotter.fs.reader import BlockUnavailable, LayerReader, RangeFetcher
 from snapshotter.layer.tree import ROOT, LayerTree, Node, build_tree
 
@@ -31,6 +33,14 @@ TIMEOUT = 3600.0
 BLOCK_SIZE = 4096
 
 
+class BlockEvents(Protocol):
+    """Who hears about reads and image requests (the hot-block tracker)."""
+
+    def access(self, layer: str, block: int) -> None: ...
+
+    async def notify(self, name: str) -> None: ...
+
+
 @dataclass
 class _Layer:
     slot: int
@@ -38,6 +48,12 @@ class _Layer:
     generation: str
     tree: LayerTree
     reader: LayerReader
+    store: LayerStore
+
+    @property
+    def current(self) -> bool:
+        """Still the copy the store holds (not removed or replaced)."""
+        return self.store.generation(self.name) == self.generation
 
 
 class LayerFS(pyfuse3.Operations):
@@ -47,6 +63,7 @@ class LayerFS(pyfuse3.Operations):
         block_index: BlockIndex,
         fetcher_for: Callable[[LayerSource], RangeFetcher],
         max_parallel_fetches: int = 8,
+        prefetch_parallel: int = 4,
     ) -> None:
         super().__init__()
         self.store = store
@@ -55,7 +72,16 @@ class LayerFS(pyfuse3.Operations):
         self.layers_by_name: dict[str, _Layer] = {}
         self.layers_by_slot: dict[int, _Layer] = {}
         self.limiter = trio.CapacityLimiter(max_parallel_fetches)
+        self.prefetch_limiter = trio.CapacityLimiter(prefetch_parallel)
         self.load_lock = trio.Lock()
+        self.events: BlockEvents | None = None
+
+    def _access(self, layer: str, block: int) -> None:
+        if self.events is not None:
+            self.events.access(layer, block)
+
+    async def layer_for_digest(self, digest: str) -> _Layer | None:
+        return await self._layer(layer_name(digest))
 
     # -- layers -------------------------------------------------------------
 
@@ -85,8 +111,10 @@ class LayerFS(pyfuse3.Operations):
             self.block_index,
             self.fetcher_for(source),
             self.limiter,
+            self.prefetch_limiter,
+            self._access,
         )
-        layer = _Layer(slot, name, source.generation, build_tree(index.entries), reader)
+        layer = _Layer(slot, name, source.generation, build_tree(index.entries), reader, self.store)
         self.layers_by_name[name] = layer
         self.layers_by_slot[slot] = layer
         log.info("layer loaded", layer=name, slot=slot, blocks=len(index.blocks), cached=len(reader.cached))
@@ -137,7 +165,14 @@ class LayerFS(pyfuse3.Operations):
 
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
         if parent_inode == pyfuse3.ROOT_INODE:
-            layer = await self._layer(os.fsdecode(name))
+            text = os.fsdecode(name)
+            if text.startswith(CONTROL_PREFIX):
+                # A control lookup: the snapshotter or `bootseer record` wrote
+                # an image request; ENOENT tells them it has been read.
+                if self.events is not None:
+                    await self.events.notify(text[len(CONTROL_PREFIX) :])
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            layer = await self._layer(text)
             if layer is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             attr = self._attr(layer, layer.tree.nodes[ROOT])

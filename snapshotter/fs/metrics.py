@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 READ_BYTES = Counter("bootseer_fs_read_bytes", "Bytes returned to FUSE reads.")
 BLOCK_READS = Counter(
     "bootseer_fs_block_reads",
-    "Blocks touched by reads, by whether they were already cached.",
+    "Blocks touched by readers' reads: hit (cached), prefetched (cached by the "
+    "prefetcher, first read), prefetch_wait (prefetch still in flight), miss.",
     ["result"],
+)
+PREFETCHED_BLOCKS = Counter("bootseer_fs_prefetched_blocks", "Blocks fetched by the hot-block prefetcher.")
+PREFETCHED_BYTES = Counter("bootseer_fs_prefetched_bytes", "Compressed bytes fetched by the prefetcher.")
+PREFETCH_UNREAD = Gauge(
+    "bootseer_fs_prefetch_unread_blocks",
+    "Prefetched blocks no reader has read (yet): the prefetch waste.",
 )
 FETCHED_BLOCKS = Counter("bootseer_fs_fetched_blocks", "Blocks fetched from the registry.")
 FETCHED_BYTES = Counter("bootseer_fs_fetched_bytes", "Compressed bytes fetched from the registry.")

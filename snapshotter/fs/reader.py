@@ -38,8 +38,10 @@ class BlockUnavailable(Exception):
 
 @dataclass
 class _Flight:
+    prefetch: bool  # started by the prefetcher, not by a reader
     done: trio.Event = field(default_factory=trio.Event)
     error: Exception | None = None
+    demanded: bool = False  # a reader waited for it
 
 
 class LayerReader:
@@ -52,6 +54,8 @@ class LayerReader:
         block_index: BlockIndex,
         fetch: RangeFetcher,
         fetch_limiter: trio.CapacityLimiter,
+        prefetch_limiter: trio.CapacityLimiter,
+        on_access: Callable[[str, int], None] | None = None,
     ) -> None:
         self.name = name
         self.cache_key = cache_key
@@ -62,49 +66,75 @@ class LayerReader:
         self.cached: set[int] = set(block_index.cached(cache_key))
         self.inflight: dict[int, _Flight] = {}
         self.fd = os.open(cache_path, os.O_RDWR)
+        # Separate limits, so queued prefetches never hold up a reader's miss.
         self.limiter = fetch_limiter
+        self.prefetch_limiter = prefetch_limiter
+        self.on_access = on_access
+        # Prefetched blocks no reader has asked for yet (the prefetch waste).
+        self.unread_prefetched: set[int] = set()
 
     def close(self) -> None:
         os.close(self.fd)
         self.decoder.close()
 
     async def read(self, start: int, end: int) -> bytes:
+        """A reader's read: counted, recorded, fetched ahead of any prefetch."""
         end = min(end, self.index.uncompressed_size)
         if end <= start:
             return b""
-        await self.ensure(self.index.block_range(start, end))
+        numbers = self.index.block_range(start, end)
+        for n in numbers:
+            self._account(n)
+        await self.ensure(numbers)
         data = await trio.to_thread.run_sync(os.pread, self.fd, end - start, start)
         metrics.READ_BYTES.inc(len(data))
         return data
 
-    async def ensure(self, numbers: range | list[int]) -> None:
-        """Return once every block in `numbers` is cached; raise BlockUnavailable if one can't be."""
+    def _account(self, n: int) -> None:
+        if self.on_access is not None:
+            self.on_access(self.index.layer_digest, n)
+        if n in self.cached:
+            if n in self.unread_prefetched:
+                self.unread_prefetched.discard(n)
+                metrics.PREFETCH_UNREAD.dec()
+                metrics.BLOCK_READS.labels("prefetched").inc()
+            else:
+                metrics.BLOCK_READS.labels("hit").inc()
+            return
+        flight = self.inflight.get(n)
+        if flight is not None and flight.prefetch:
+            flight.demanded = True
+            metrics.BLOCK_READS.labels("prefetch_wait").inc()
+        else:
+            metrics.BLOCK_READS.labels("miss").inc()
+
+    async def ensure(self, numbers: range | list[int], prefetch: bool = False) -> None:
+        """Return once every block in `numbers` is cached; raise BlockUnavailable
+        if one can't be. A block already on its way is waited for, not fetched again."""
         to_fetch: list[int] = []
         waits: list[_Flight] = []
         for n in numbers:
             if n in self.cached:
-                metrics.BLOCK_READS.labels("hit").inc()
                 continue
-            metrics.BLOCK_READS.labels("miss").inc()
             flight = self.inflight.get(n)
             if flight is None:
-                flight = self.inflight[n] = _Flight()
+                flight = self.inflight[n] = _Flight(prefetch=prefetch)
                 to_fetch.append(n)
             waits.append(flight)
         if to_fetch:
             async with trio.open_nursery() as nursery:
                 for run in fetch_runs(to_fetch, self.index.blocks):
-                    nursery.start_soon(self._fetch_run, run)
+                    nursery.start_soon(self._fetch_run, run, prefetch)
         for flight in waits:
             await flight.done.wait()
             if flight.error is not None:
                 raise BlockUnavailable(str(flight.error)) from flight.error
 
-    async def _fetch_run(self, run: list[int]) -> None:
+    async def _fetch_run(self, run: list[int], prefetch: bool) -> None:
         try:
             for attempt in range(1, VERIFY_ATTEMPTS + 1):
                 try:
-                    await self._fetch_and_store(run)
+                    await self._fetch_and_store(run, prefetch)
                     break
                 except BlockVerificationError as exc:
                     metrics.VERIFY_FAILURES.inc()
@@ -126,12 +156,19 @@ class LayerReader:
     def _land(self, number: int, error: Exception | None) -> None:
         flight = self.inflight.pop(number)
         flight.error = error
+        if error is None and flight.prefetch:
+            block = self.index.blocks[number]
+            metrics.PREFETCHED_BLOCKS.inc()
+            metrics.PREFETCHED_BYTES.inc(block.cend - block.cstart)
+            if not flight.demanded:
+                self.unread_prefetched.add(number)
+                metrics.PREFETCH_UNREAD.inc()
         flight.done.set()
 
-    async def _fetch_and_store(self, run: list[int]) -> None:
+    async def _fetch_and_store(self, run: list[int], prefetch: bool) -> None:
         blocks = self.index.blocks
         start, end = blocks[run[0]].cstart, blocks[run[-1]].cend
-        async with self.limiter:
+        async with self.prefetch_limiter if prefetch else self.limiter:
             began = time.perf_counter()
             data = await trio.to_thread.run_sync(self.fetch, start, end)
             metrics.FETCH_SECONDS.observe(time.perf_counter() - began)

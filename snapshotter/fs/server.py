@@ -18,6 +18,8 @@ import structlog
 import trio
 
 from bootseer.config import FsConfig, RegistryConfig
+from recorder.localstore import LocalManifests
+from recorder.tracker import HotBlocks, HotBlockSettings
 from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.fs.layerfs import LayerFS
 from snapshotter.fs.layers import LayerSource, LayerStore
@@ -55,7 +57,16 @@ def serve(fs: FsConfig, registry: RegistryConfig) -> None:
         ref = parse_reference(source.ref)
         return lambda start, end: client.fetch_range(ref, source.digest, start, end)
 
-    ops = LayerFS(store, block_index, fetcher_for, fs.max_parallel_fetches)
+    ops = LayerFS(store, block_index, fetcher_for, fs.max_parallel_fetches, fs.prefetch_parallel)
+    local = LocalManifests(fs.store / "hot.lmdb")
+    hot = HotBlocks(
+        fs.store,
+        ops.layer_for_digest,
+        client,
+        local,
+        HotBlockSettings(fs.record_idle_s, fs.record_max_s, fs.prefetch_parallel),
+    )
+    ops.events = hot
     _clear_stale_mount(fs.mountpoint)
     fs.mountpoint.mkdir(parents=True, exist_ok=True)
     options = set(pyfuse3.default_options) | set(MOUNT_OPTIONS)
@@ -65,17 +76,19 @@ def serve(fs: FsConfig, registry: RegistryConfig) -> None:
         prometheus_client.start_http_server(int(port), addr=host or "127.0.0.1")
     log.info("serving layers", mountpoint=str(fs.mountpoint), store=str(fs.store))
     try:
-        trio.run(_main)
+        trio.run(_main, hot)
     finally:
         pyfuse3.close(unmount=True)
         ops.close()
         block_index.close()
+        local.close()
         log.info("stopped")
 
 
-async def _main() -> None:
+async def _main(hot: HotBlocks) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pyfuse3.main)
+        nursery.start_soon(hot.run)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log.info("stopping", signal=signal.Signals(signum).name)

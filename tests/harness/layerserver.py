@@ -24,6 +24,9 @@ class LazyConfig:
     workdir: Path
     plain_http_hosts: list[str] = field(default_factory=list)
     metrics_port: int = field(default_factory=free_tcp_port)
+    # Tests let a recording settle quickly once the container stops reading.
+    record_idle_s: float = 1.0
+    record_max_s: float = 60.0
 
     @property
     def path(self) -> Path:
@@ -68,6 +71,8 @@ store = "{self.store}"
 mountpoint = "{self.mountpoint}"
 metrics_address = "127.0.0.1:{self.metrics_port}"
 layer_gc_grace_s = 0
+record_idle_s = {self.record_idle_s}
+record_max_s = {self.record_max_s}
 
 [registry]
 config_path = "{self.certs_dir}"

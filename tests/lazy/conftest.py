@@ -46,21 +46,38 @@ class LazyNode:
         ).stdout
 
 
-@pytest.fixture(scope="module")
-def lazy_node(registry: Registry) -> Iterator[LazyNode]:
-    layers = start_layer_server([registry.host])
-    started: list[object] = [layers]
+def start_lazy_node(registry_host: str) -> LazyNode:
+    """One node: layer server, snapshotter configured for it, containerd."""
+    started: list[LayerServer | Snapshotter | Containerd] = []
     try:
+        layers = start_layer_server([registry_host])
+        started.append(layers)
         snapshotter = start_snapshotter(["--config", str(layers.config.path)])
         started.append(snapshotter)
         containerd = start_containerd(snapshotter.address)
         started.append(containerd)
-        yield LazyNode(layers, snapshotter, containerd)
+    except BaseException:
+        _stop(started)
+        raise
+    return LazyNode(layers, snapshotter, containerd)
+
+
+def _stop(parts: list[LayerServer | Snapshotter | Containerd]) -> list[str]:
+    leftovers: list[str] = []
+    for part in reversed(parts):
+        leftovers += part.stop() if isinstance(part, Containerd) else part.teardown()
+    return leftovers
+
+
+def stop_lazy_node(node: LazyNode) -> None:
+    leftovers = _stop([node.layers, node.snapshotter, node.containerd])
+    assert not leftovers, f"mounts left behind: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def lazy_node(registry: Registry) -> Iterator[LazyNode]:
+    node = start_lazy_node(registry.host)
+    try:
+        yield node
     finally:
-        leftovers: list[str] = []
-        for part in reversed(started):
-            if isinstance(part, Containerd):
-                leftovers += part.stop()
-            elif isinstance(part, (Snapshotter, LayerServer)):
-                leftovers += part.teardown()
-        assert not leftovers, f"mounts left behind: {leftovers}"
+        stop_lazy_node(node)

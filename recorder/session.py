@@ -1,0 +1,30 @@
+"""One image's recording: first accesses of its layers' blocks, from the
+first mount until the run settles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RecordingSession:
+    image: str
+    layers: set[str]
+    started: float
+    # The run has settled once no new block was read for `idle_s`, or after
+    # `max_s` whatever happens.
+    idle_s: float
+    max_s: float
+    accesses: dict[tuple[str, int], float] = field(default_factory=dict)
+    last_new: float = 0.0
+    stop_requested: bool = False
+
+    def access(self, layer: str, block: int, now: float) -> None:
+        if layer in self.layers and (layer, block) not in self.accesses:
+            self.accesses[(layer, block)] = now - self.started
+            self.last_new = now
+
+    def settled(self, now: float) -> bool:
+        if self.stop_requested or now - self.started >= self.max_s:
+            return True
+        return bool(self.accesses) and now - self.last_new >= self.idle_s

@@ -1,0 +1,272 @@
+"""Hot blocks inside the layer server: for each image it is told about,
+prefetch the blocks of its hot-block manifest, or, if it has none, record
+the blocks its first run reads and publish them as one.
+
+Prefetching runs alongside the container's own reads: each layer's blocks
+are fetched in manifest order by a few workers, adjacent blocks merged into
+one Range request; a reader's miss does not queue behind them (separate
+fetch slots), and a block already on its way is waited for, never fetched
+twice (LayerReader.ensure).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+import trio
+
+from recorder import manifest as hot
+from recorder import requests
+from recorder.localstore import LocalManifests
+from recorder.manifest import HotManifest, ManifestError
+from recorder.session import RecordingSession
+from snapshotter.fs.reader import BlockUnavailable, LayerReader
+from snapshotter.layer.blockmath import MAX_RUN_BYTES
+from snapshotter.layer.index import LayerIndex
+from snapshotter.registry import artifact
+from snapshotter.registry.client import RegistryClient
+from snapshotter.registry.media import Descriptor
+from snapshotter.registry.reference import parse as parse_reference
+
+log = structlog.get_logger("bootseer.hotblocks")
+
+# A published manifest may be large; bound what is read of one.
+MAX_MANIFEST_BYTES = 32 << 20
+TICK_S = 0.25
+
+
+class LoadedLayer(Protocol):
+    reader: LayerReader
+
+    @property
+    def current(self) -> bool: ...
+
+
+@dataclass
+class _Image:
+    request: requests.ImageRequest
+    manifest: HotManifest | None = None
+    session: RecordingSession | None = None
+    started_layers: set[str] = field(default_factory=set)
+    decided: bool = False
+
+
+@dataclass
+class HotBlockSettings:
+    idle_s: float
+    max_s: float
+    prefetch_parallel: int
+
+
+class HotBlocks:
+    def __init__(
+        self,
+        store: Path,
+        layer_for: Callable[[str], Awaitable[LoadedLayer | None]],
+        client: RegistryClient,
+        local: LocalManifests,
+        settings: HotBlockSettings,
+    ) -> None:
+        self.store = store
+        self.layer_for = layer_for
+        self.client = client
+        self.local = local
+        self.settings = settings
+        self.images: dict[str, _Image] = {}
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self) -> None:
+        """Own every prefetch and recording task; settle recordings."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            while True:
+                await trio.sleep(TICK_S)
+                now = time.monotonic()
+                for image in list(self.images.values()):
+                    if image.session is not None and image.session.settled(now):
+                        session, image.session = image.session, None
+                        nursery.start_soon(self._finish, image, session)
+
+    # -- events from the file system ---------------------------------------
+
+    def access(self, layer: str, block: int) -> None:
+        """A reader touched `block` of `layer`."""
+        now = time.monotonic()
+        for image in self.images.values():
+            if image.session is not None:
+                image.session.access(layer, block, now)
+
+    async def notify(self, name: str) -> None:
+        """The request file of image `name` was written: act on it."""
+        request = await trio.to_thread.run_sync(requests.read, self.store, name)
+        if request is None or self._nursery is None:
+            return
+        image = self.images.get(request.image)
+        if image is None:
+            image = self.images[request.image] = _Image(request)
+            self._nursery.start_soon(self._decide, image)
+            return
+        image.request = request
+        if image.session is not None:
+            image.session.layers.update(request.layers)
+            image.session.stop_requested = request.stop
+        elif request.record and not request.stop:
+            self._start_recording(image)
+        self._start_prefetches(image)
+
+    # -- deciding: prefetch or record ----------------------------------------
+
+    async def _decide(self, image: _Image) -> None:
+        request = image.request
+        manifest = await trio.to_thread.run_sync(self._find_manifest, request)
+        if manifest is not None and manifest.image != request.image:
+            log.warning("hot-block manifest ignored: it belongs to another image", image=request.image, manifest_for=manifest.image)
+            manifest = None
+        image.decided = True
+        if manifest is not None:
+            image.manifest = manifest
+            log.info("prefetching hot blocks", image=request.image, blocks=len(manifest.blocks), bytes=manifest.total_bytes, runs=manifest.runs)
+        if manifest is None or request.record:
+            self._start_recording(image)
+        self._start_prefetches(image)
+
+    def _find_manifest(self, request: requests.ImageRequest) -> HotManifest | None:
+        local = self.local.get(request.image)
+        if local is not None:
+            return local
+        try:
+            return self._fetch_published(request)
+        except Exception as exc:
+            log.warning("no usable hot-block manifest in the registry", image=request.image, error=str(exc))
+            return None
+
+    def _fetch_published(self, request: requests.ImageRequest) -> HotManifest | None:
+        ref = parse_reference(request.ref)
+        found = artifact.referrers(self.client, ref, request.image, hot.ARTIFACT_TYPE)
+        if not found or not found[-1].layers:
+            return None
+        blob = found[-1].layers[0]
+        manifest = HotManifest.decode(self.client.fetch_blob_bytes(ref, blob.digest, limit=MAX_MANIFEST_BYTES))
+        self.local.put(manifest)
+        return manifest
+
+    def _start_recording(self, image: _Image) -> None:
+        if image.session is None:
+            image.session = RecordingSession(
+                image=image.request.image,
+                layers=set(image.request.layers),
+                started=time.monotonic(),
+                idle_s=self.settings.idle_s,
+                max_s=self.settings.max_s,
+            )
+            log.info("recording first-run block reads", image=image.request.image)
+
+    # -- prefetching ------------------------------------------------------------
+
+    def _start_prefetches(self, image: _Image) -> None:
+        if not image.decided or image.manifest is None or self._nursery is None:
+            return
+        for layer in image.request.layers:
+            if layer not in image.started_layers:
+                image.started_layers.add(layer)
+                self._nursery.start_soon(self._prefetch_layer, image, image.manifest, layer)
+
+    async def _prefetch_layer(self, image: _Image, manifest: HotManifest, layer_digest: str) -> None:
+        layer = await self.layer_for(layer_digest)
+        blocks = [b for b in manifest.blocks if b.layer == layer_digest]
+        if layer is None or not blocks:
+            return
+        index = layer.reader.index
+        try:
+            hot.check(HotManifest(manifest.image, manifest.runs, blocks), image.request.image, {layer_digest: index})
+        except ManifestError as exc:
+            log.warning("hot-block manifest ignored", image=image.request.image, reason=str(exc))
+            if image.manifest is manifest:
+                # Record this run instead: its manifest replaces the stale one.
+                image.manifest = None
+                self._start_recording(image)
+            return
+        queue = deque(_runs([b.block for b in blocks], index))
+
+        async def worker() -> None:
+            while queue and layer.current and image.manifest is manifest:
+                run = queue.popleft()
+                try:
+                    await layer.reader.ensure(run, prefetch=True)
+                except BlockUnavailable as exc:
+                    log.warning("prefetch failed", layer=layer_digest, blocks=run, error=str(exc))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.settings.prefetch_parallel):
+                nursery.start_soon(worker)
+
+    # -- publishing ---------------------------------------------------------
+
+    async def _finish(self, image: _Image, session: RecordingSession) -> None:
+        if not session.accesses:
+            log.info("recording ended with no reads; nothing to publish", image=session.image)
+            return
+        indexes: dict[str, LayerIndex] = {}
+        for layer_digest in {layer for layer, _ in session.accesses}:
+            layer = await self.layer_for(layer_digest)
+            if layer is not None:
+                indexes[layer_digest] = layer.reader.index
+        accesses = {k: v for k, v in session.accesses.items() if k[0] in indexes}
+        recorded = hot.from_record(session.image, accesses, indexes)
+        try:
+            published = await trio.to_thread.run_sync(self._publish, image.request, recorded, indexes)
+        except Exception as exc:
+            log.warning("hot-block manifest kept locally; publishing failed", image=session.image, error=str(exc))
+            self.local.put(recorded)
+            return
+        log.info("hot-block manifest published", image=session.image, blocks=len(published.blocks), bytes=published.total_bytes, runs=published.runs)
+
+    def _publish(self, request: requests.ImageRequest, recorded: HotManifest, indexes: dict[str, LayerIndex]) -> HotManifest:
+        ref = parse_reference(request.ref)
+        merged = recorded
+        try:
+            existing = self._fetch_published(request)
+        except Exception as exc:
+            log.warning("published hot-block manifest unreadable; replacing it", image=request.image, error=str(exc))
+            existing = None
+        if existing is not None:
+            try:
+                hot.check(existing, request.image, indexes | self._indexes_of(existing, indexes))
+                merged = hot.merge(existing, recorded)
+            except ManifestError as exc:
+                log.warning("published hot-block manifest is stale; replacing it", image=request.image, reason=str(exc))
+        self.local.put(merged)
+        data, media_type, digest = self.client.fetch_manifest(ref.with_digest(request.image))
+        blob = self.client.push_blob(ref, merged.encode(), media_type=hot.MEDIA_TYPE)
+        subject = Descriptor(media_type, digest, len(data))
+        artifact.push(self.client, ref, subject, hot.ARTIFACT_TYPE, [Descriptor(hot.MEDIA_TYPE, blob.digest, blob.size)])
+        return merged
+
+    def _indexes_of(self, manifest: HotManifest, known: dict[str, LayerIndex]) -> dict[str, LayerIndex]:
+        """Indexes of layers a manifest names that this recording did not read."""
+        out: dict[str, LayerIndex] = {}
+        for layer in {b.layer for b in manifest.blocks} - set(known):
+            loaded = trio.from_thread.run(self.layer_for, layer)
+            if loaded is not None:
+                out[layer] = loaded.reader.index
+        return out
+
+
+def _runs(numbers: list[int], index: LayerIndex) -> list[list[int]]:
+    """Manifest-ordered block numbers as fetch runs: consecutive entries with
+    consecutive numbers go in one Range request, up to MAX_RUN_BYTES."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            first = index.blocks[runs[-1][0]]
+            if index.blocks[n].cend - first.cstart <= MAX_RUN_BYTES:
+                runs[-1].append(n)
+                continue
+        runs.append([n])
+    return runs
