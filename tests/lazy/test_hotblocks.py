@@ -16,7 +16,7 @@ from snapshotter.registry import RegistryClient, artifact, parse_reference
 from snapshotter.registry.media import Descriptor
 from tests.harness.oci import Dir, File, ImageBuilder, PushedImage, busybox_layer
 from tests.harness.registry import Registry
-from tests.lazy.conftest import LazyNode, start_lazy_node, stop_lazy_node
+from tests.harness.lazynode import LazyNode, start_lazy_node, stop_lazy_node
 
 pytestmark = pytest.mark.integration
 

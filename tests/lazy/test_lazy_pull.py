@@ -17,7 +17,7 @@ from tests.harness.containerd import CtrError
 from tests.harness.images import awkward_layers
 from tests.harness.oci import Dir, File, ImageBuilder, busybox_layer
 from tests.harness.registry import PASSWORD, USER, AuthRegistry, Registry
-from tests.lazy.conftest import LazyNode
+from tests.harness.lazynode import LazyNode
 
 pytestmark = pytest.mark.integration
 

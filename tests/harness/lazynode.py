@@ -1,0 +1,70 @@
+"""A lazy-pulling node: the FUSE layer server, a bootseer snapshotter
+configured to hand indexed layers to it, and a containerd using both, plus
+the `bootseer index` and `bootseer pull` commands pointed at them."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+
+from tests.harness.containerd import Containerd, start_containerd
+from tests.harness.layerserver import LayerServer, start_layer_server
+from tests.harness.snapshotter import BOOTSEER_BIN, Snapshotter, start_snapshotter
+
+
+@dataclass
+class LazyNode:
+    layers: LayerServer
+    snapshotter: Snapshotter
+    containerd: Containerd
+
+    def bootseer(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [str(BOOTSEER_BIN), *args[:1], "--config", str(self.layers.config.path), *args[1:]],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if check and result.returncode != 0:
+            raise RuntimeError(
+                f"bootseer {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+                f"\n{self.snapshotter.logs()}\n{self.layers.logs()}"
+            )
+        return result
+
+    def index(self, ref: str) -> str:
+        return self.bootseer("index", "--quiet", ref).stdout
+
+    def pull(self, ref: str) -> str:
+        c = self.containerd
+        return self.bootseer(
+            "pull", "--address", str(c.address), "--namespace", c.namespace, "--snapshotter", "bootseer", ref
+        ).stdout
+
+
+def start_lazy_node(registry_host: str) -> LazyNode:
+    """One node: layer server, snapshotter configured for it, containerd."""
+    started: list[LayerServer | Snapshotter | Containerd] = []
+    try:
+        layers = start_layer_server([registry_host])
+        started.append(layers)
+        snapshotter = start_snapshotter(["--config", str(layers.config.path)])
+        started.append(snapshotter)
+        containerd = start_containerd(snapshotter.address)
+        started.append(containerd)
+    except BaseException:
+        _stop(started)
+        raise
+    return LazyNode(layers, snapshotter, containerd)
+
+
+def _stop(parts: list[LayerServer | Snapshotter | Containerd]) -> list[str]:
+    leftovers: list[str] = []
+    for part in reversed(parts):
+        leftovers += part.stop() if isinstance(part, Containerd) else part.teardown()
+    return leftovers
+
+
+def stop_lazy_node(node: LazyNode) -> None:
+    leftovers = _stop([node.layers, node.snapshotter, node.containerd])
+    assert not leftovers, f"mounts left behind: {leftovers}"
