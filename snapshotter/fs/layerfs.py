@@ -75,6 +75,11 @@ class LayerFS(pyfuse3.Operations):
         self.prefetch_limiter = trio.CapacityLimiter(prefetch_parallel)
         self.load_lock = trio.Lock()
         self.events: BlockEvents | None = None
+        # Set once the kernel has initialised the connection.
+        self.initialized = trio.Event()
+
+    def init(self) -> None:
+        self.initialized.set()
 
     def _access(self, layer: str, block: int) -> None:
         if self.events is not None:

@@ -18,6 +18,7 @@ import structlog
 import trio
 
 from bootseer.config import FsConfig, RegistryConfig
+from hdfs_fuse.mount import set_kernel_readahead
 from recorder.localstore import LocalManifests
 from recorder.tracker import HotBlocks, HotBlockSettings
 from snapshotter.fs.blockindex import BlockIndex
@@ -29,6 +30,7 @@ from snapshotter.registry.reference import parse as parse_reference
 
 log = structlog.get_logger("bootseer.fs")
 
+KERNEL_READAHEAD = 8 << 20
 MOUNT_OPTIONS = ("fsname=bootseer", "subtype=bootseer", "ro", "allow_other", "default_permissions")
 
 
@@ -76,7 +78,7 @@ def serve(fs: FsConfig, registry: RegistryConfig) -> None:
         prometheus_client.start_http_server(int(port), addr=host or "127.0.0.1")
     log.info("serving layers", mountpoint=str(fs.mountpoint), store=str(fs.store))
     try:
-        trio.run(_main, hot)
+        trio.run(_main, ops, fs.mountpoint, hot)
     finally:
         pyfuse3.close(unmount=True)
         ops.close()
@@ -85,10 +87,20 @@ def serve(fs: FsConfig, registry: RegistryConfig) -> None:
         log.info("stopped")
 
 
-async def _main(hot: HotBlocks) -> None:
+async def _tune_readahead(ops: LayerFS, mountpoint: Path) -> None:
+    # The kernel settles the connection's read-ahead when libfuse answers INIT
+    # (inside pyfuse3.main); raise it after that, so sequential readers send
+    # large requests.
+    await ops.initialized.wait()
+    await trio.sleep(0)
+    await trio.to_thread.run_sync(set_kernel_readahead, mountpoint, KERNEL_READAHEAD)
+
+
+async def _main(ops: LayerFS, mountpoint: Path, hot: HotBlocks) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pyfuse3.main)
         nursery.start_soon(hot.run)
+        nursery.start_soon(_tune_readahead, ops, mountpoint)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log.info("stopping", signal=signal.Signals(signum).name)
