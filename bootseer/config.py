@@ -61,6 +61,10 @@ class FsConfig:
     record_max_s: float = 300.0
     # Parallel Range requests of the hot-block prefetcher (per layer).
     prefetch_parallel: int = 4
+    # Fetch every served layer whole in the background, at most
+    # background_bandwidth bytes/s, pausing while readers wait on fetches.
+    background_fetch: bool = False
+    background_bandwidth: int = 50_000_000
 
 
 @dataclass

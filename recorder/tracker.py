@@ -26,7 +26,7 @@ from recorder import requests
 from recorder.localstore import LocalManifests
 from recorder.manifest import HotManifest, ManifestError
 from recorder.session import RecordingSession
-from snapshotter.fs.reader import BlockUnavailable, LayerReader
+from snapshotter.fs.reader import BlockUnavailable, LayerReader, Origin
 from snapshotter.layer.blockmath import MAX_RUN_BYTES
 from snapshotter.layer.index import LayerIndex
 from snapshotter.registry import artifact
@@ -198,7 +198,7 @@ class HotBlocks:
             while queue and layer.current and image.manifest is manifest:
                 run = queue.popleft()
                 try:
-                    await layer.reader.ensure(run, prefetch=True)
+                    await layer.reader.ensure(run, Origin.HOT)
                 except BlockUnavailable as exc:
                     log.warning("prefetch failed", layer=layer_digest, blocks=run, error=str(exc))
 

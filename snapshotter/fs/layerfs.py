@@ -19,6 +19,7 @@ import pyfuse3
 import structlog
 import trio
 
+from snapshotter.fs.background import BackgroundFetch
 from snapshotter.fs.blockindex import BlockIndex
 from recorder.requests import CONTROL_PREFIX
 from snapshotter.fs.layers import CACHE, LayerSource, LayerStore, layer_name
@@ -64,6 +65,7 @@ class LayerFS(pyfuse3.Operations):
         fetcher_for: Callable[[LayerSource], RangeFetcher],
         max_parallel_fetches: int = 8,
         prefetch_parallel: int = 4,
+        background_bandwidth: int = 0,
     ) -> None:
         super().__init__()
         self.store = store
@@ -73,6 +75,11 @@ class LayerFS(pyfuse3.Operations):
         self.layers_by_slot: dict[int, _Layer] = {}
         self.limiter = trio.CapacityLimiter(max_parallel_fetches)
         self.prefetch_limiter = trio.CapacityLimiter(prefetch_parallel)
+        self.background_limiter = trio.CapacityLimiter(1)
+        # Whole layers fetched in the background when a bandwidth is given.
+        self.background = (
+            BackgroundFetch(background_bandwidth, self.limiter) if background_bandwidth > 0 else None
+        )
         self.load_lock = trio.Lock()
         self.events: BlockEvents | None = None
         # Set once the kernel has initialised the connection.
@@ -103,6 +110,8 @@ class LayerFS(pyfuse3.Operations):
             layer = self.layers_by_name.get(name)
             if layer is None or layer.generation != generation:
                 layer = await trio.to_thread.run_sync(self._load, name)
+                if self.background is not None:
+                    self.background.add(layer)
         return layer
 
     def _load(self, name: str) -> _Layer:
@@ -117,6 +126,7 @@ class LayerFS(pyfuse3.Operations):
             self.fetcher_for(source),
             self.limiter,
             self.prefetch_limiter,
+            self.background_limiter,
             self._access,
         )
         layer = _Layer(slot, name, source.generation, build_tree(index.entries), reader, self.store)

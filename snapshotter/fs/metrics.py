@@ -28,3 +28,6 @@ VERIFY_FAILURES = Counter(
     "bootseer_fs_verify_failures", "Blocks whose fetched bytes did not match the index."
 )
 FETCH_ERRORS = Counter("bootseer_fs_fetch_errors", "Block fetches that failed for good (EIO).")
+BACKGROUND_BYTES = Counter(
+    "bootseer_fs_background_bytes", "Compressed bytes fetched by the background whole-layer fetch."
+)

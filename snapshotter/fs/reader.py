@@ -8,6 +8,7 @@ fetch, the others wait for it.
 
 from __future__ import annotations
 
+import enum
 import os
 import time
 from collections.abc import Callable
@@ -36,9 +37,18 @@ class BlockUnavailable(Exception):
     """The block could not be fetched and verified; readers get EIO."""
 
 
+class Origin(enum.Enum):
+    """Who asked for a block: each has its own fetch slots, so neither the
+    hot-block prefetcher nor the background fetch ever holds up a reader."""
+
+    READ = "read"
+    HOT = "hot"
+    BACKGROUND = "background"
+
+
 @dataclass
 class _Flight:
-    prefetch: bool  # started by the prefetcher, not by a reader
+    origin: Origin
     done: trio.Event = field(default_factory=trio.Event)
     error: Exception | None = None
     demanded: bool = False  # a reader waited for it
@@ -55,6 +65,7 @@ class LayerReader:
         fetch: RangeFetcher,
         fetch_limiter: trio.CapacityLimiter,
         prefetch_limiter: trio.CapacityLimiter,
+        background_limiter: trio.CapacityLimiter,
         on_access: Callable[[str, int], None] | None = None,
     ) -> None:
         self.name = name
@@ -66,9 +77,11 @@ class LayerReader:
         self.cached: set[int] = set(block_index.cached(cache_key))
         self.inflight: dict[int, _Flight] = {}
         self.fd = os.open(cache_path, os.O_RDWR)
-        # Separate limits, so queued prefetches never hold up a reader's miss.
-        self.limiter = fetch_limiter
-        self.prefetch_limiter = prefetch_limiter
+        self.limiters = {
+            Origin.READ: fetch_limiter,
+            Origin.HOT: prefetch_limiter,
+            Origin.BACKGROUND: background_limiter,
+        }
         self.on_access = on_access
         # Prefetched blocks no reader has asked for yet (the prefetch waste).
         self.unread_prefetched: set[int] = set()
@@ -102,13 +115,13 @@ class LayerReader:
                 metrics.BLOCK_READS.labels("hit").inc()
             return
         flight = self.inflight.get(n)
-        if flight is not None and flight.prefetch:
+        if flight is not None and flight.origin != Origin.READ:
             flight.demanded = True
             metrics.BLOCK_READS.labels("prefetch_wait").inc()
         else:
             metrics.BLOCK_READS.labels("miss").inc()
 
-    async def ensure(self, numbers: range | list[int], prefetch: bool = False) -> None:
+    async def ensure(self, numbers: range | list[int], origin: Origin = Origin.READ) -> None:
         """Return once every block in `numbers` is cached; raise BlockUnavailable
         if one can't be. A block already on its way is waited for, not fetched again."""
         to_fetch: list[int] = []
@@ -118,23 +131,23 @@ class LayerReader:
                 continue
             flight = self.inflight.get(n)
             if flight is None:
-                flight = self.inflight[n] = _Flight(prefetch=prefetch)
+                flight = self.inflight[n] = _Flight(origin=origin)
                 to_fetch.append(n)
             waits.append(flight)
         if to_fetch:
             async with trio.open_nursery() as nursery:
                 for run in fetch_runs(to_fetch, self.index.blocks):
-                    nursery.start_soon(self._fetch_run, run, prefetch)
+                    nursery.start_soon(self._fetch_run, run, origin)
         for flight in waits:
             await flight.done.wait()
             if flight.error is not None:
                 raise BlockUnavailable(str(flight.error)) from flight.error
 
-    async def _fetch_run(self, run: list[int], prefetch: bool) -> None:
+    async def _fetch_run(self, run: list[int], origin: Origin) -> None:
         try:
             for attempt in range(1, VERIFY_ATTEMPTS + 1):
                 try:
-                    await self._fetch_and_store(run, prefetch)
+                    await self._fetch_and_store(run, origin)
                     break
                 except BlockVerificationError as exc:
                     metrics.VERIFY_FAILURES.inc()
@@ -156,7 +169,10 @@ class LayerReader:
     def _land(self, number: int, error: Exception | None) -> None:
         flight = self.inflight.pop(number)
         flight.error = error
-        if error is None and flight.prefetch:
+        if error is None and flight.origin == Origin.BACKGROUND:
+            block = self.index.blocks[number]
+            metrics.BACKGROUND_BYTES.inc(block.cend - block.cstart)
+        if error is None and flight.origin == Origin.HOT:
             block = self.index.blocks[number]
             metrics.PREFETCHED_BLOCKS.inc()
             metrics.PREFETCHED_BYTES.inc(block.cend - block.cstart)
@@ -165,10 +181,10 @@ class LayerReader:
                 metrics.PREFETCH_UNREAD.inc()
         flight.done.set()
 
-    async def _fetch_and_store(self, run: list[int], prefetch: bool) -> None:
+    async def _fetch_and_store(self, run: list[int], origin: Origin) -> None:
         blocks = self.index.blocks
         start, end = blocks[run[0]].cstart, blocks[run[-1]].cend
-        async with self.prefetch_limiter if prefetch else self.limiter:
+        async with self.limiters[origin]:
             began = time.perf_counter()
             data = await trio.to_thread.run_sync(self.fetch, start, end)
             metrics.FETCH_SECONDS.observe(time.perf_counter() - began)

@@ -59,7 +59,10 @@ def serve(fs: FsConfig, registry: RegistryConfig) -> None:
         ref = parse_reference(source.ref)
         return lambda start, end: client.fetch_range(ref, source.digest, start, end)
 
-    ops = LayerFS(store, block_index, fetcher_for, fs.max_parallel_fetches, fs.prefetch_parallel)
+    ops = LayerFS(
+        store, block_index, fetcher_for, fs.max_parallel_fetches, fs.prefetch_parallel,
+        fs.background_bandwidth if fs.background_fetch else 0,
+    )  # fmt: skip
     local = LocalManifests(fs.store / "hot.lmdb")
     hot = HotBlocks(
         fs.store,
@@ -101,6 +104,8 @@ async def _main(ops: LayerFS, mountpoint: Path, hot: HotBlocks) -> None:
         nursery.start_soon(pyfuse3.main)
         nursery.start_soon(hot.run)
         nursery.start_soon(_tune_readahead, ops, mountpoint)
+        if ops.background is not None:
+            nursery.start_soon(ops.background.run)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log.info("stopping", signal=signal.Signals(signum).name)

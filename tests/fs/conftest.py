@@ -84,17 +84,27 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
         pytest.skip("FUSE mounts need root here")
     mounted: list[Mounted] = []
 
-    def mount(blobs: dict[str, Blob], store_dir: Path | None = None) -> Mounted:
+    def mount(blobs: dict[str, Blob], store_dir: Path | None = None, background_bandwidth: int = 0) -> Mounted:
         store = LayerStore(store_dir or tmp_path / "store")
         block_index = BlockIndex(store.root / "blocks.lmdb")
         mountpoint = tmp_path / f"m{len(mounted)}"
         mountpoint.mkdir()
-        ops = LayerFS(store, block_index, lambda source: blobs[source.digest].fetch)
+        ops = LayerFS(
+            store, block_index, lambda source: blobs[source.digest].fetch,
+            background_bandwidth=background_bandwidth,
+        )  # fmt: skip
         pyfuse3.init(ops, str(mountpoint), ["fsname=bootseer-test", "ro", "default_permissions"])
+
+        async def serve() -> None:
+            async with trio.open_nursery() as nursery:
+                if ops.background is not None:
+                    nursery.start_soon(ops.background.run)
+                await pyfuse3.main()
+                nursery.cancel_scope.cancel()
 
         def run() -> None:
             try:
-                trio.run(pyfuse3.main)
+                trio.run(serve)
             finally:
                 pyfuse3.close(unmount=False)
                 ops.close()

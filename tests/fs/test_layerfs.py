@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.fs.conftest import Blob, Mounted, add_layer, make_layer, unmount
+from tests.harness.procs import wait_until
 
 SPAN = 256 << 10
 
@@ -139,3 +140,19 @@ def test_corrupt_bytes_are_never_served_and_cache_survives_restart(
     assert exc.value.errno == errno.EIO
     source.down = False
     assert (again.layer(digest) / "b").read_bytes() == b
+
+
+def test_background_fetch_caches_whole_layers(mount_layers: Callable[..., Mounted], tmp_path: Path) -> None:
+    rng = random.Random(17)
+    data = rng.randbytes(3 << 20)
+    blob = make_layer([(info("small", size=2), b"hi"), (info("weights", size=len(data)), data)])
+    from snapshotter.fs.layers import LayerStore
+
+    digest = add_layer(LayerStore(tmp_path / "store"), tmp_path, blob, SPAN)
+    source = Blob(blob)
+    m = mount_layers({digest: source}, tmp_path / "store", background_bandwidth=1 << 30)
+    assert (m.layer(digest) / "small").read_bytes() == b"hi"
+    # Looking the layer up started the background fetch: the whole blob arrives.
+    wait_until(lambda: source.bytes_fetched >= len(blob), 30, "the background fetch")
+    source.down = True
+    assert (m.layer(digest) / "weights").read_bytes() == data

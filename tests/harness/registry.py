@@ -31,9 +31,26 @@ class Registry:
         """What goes in front of an image name: "127.0.0.1:PORT"."""
         return f"127.0.0.1:{self.port}"
 
+    def pause(self) -> None:
+        """Stop the registry process, keeping its storage: an outage."""
+        self.daemon.stop()
+
+    def resume(self) -> None:
+        """Start it again on the same port with the same storage."""
+        self.daemon = _serve(self.workdir, self.port)
+
     def stop(self) -> None:
         self.daemon.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _serve(workdir: Path, port: int) -> Daemon:
+    return start_daemon(
+        "docker-registry",
+        [REGISTRY_BIN, "serve", str(workdir / "config.yml")],
+        workdir / "registry.log",
+        ready=lambda: tcp_port_answers("127.0.0.1", port),
+    )
 
 
 def _config(storage: Path, port: int) -> str:
@@ -55,15 +72,9 @@ def _config(storage: Path, port: int) -> str:
 def start_registry() -> Registry:
     workdir = Path(tempfile.mkdtemp(prefix="bs-reg-", dir="/tmp"))
     port = free_tcp_port()
-    config = workdir / "config.yml"
-    config.write_text(_config(workdir / "storage", port))
+    (workdir / "config.yml").write_text(_config(workdir / "storage", port))
     try:
-        daemon = start_daemon(
-            "docker-registry",
-            [REGISTRY_BIN, "serve", str(config)],
-            workdir / "registry.log",
-            ready=lambda: tcp_port_answers("127.0.0.1", port),
-        )
+        daemon = _serve(workdir, port)
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise

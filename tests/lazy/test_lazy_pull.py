@@ -16,7 +16,7 @@ from tests.harness import faultproxy, tree
 from tests.harness.containerd import CtrError
 from tests.harness.images import awkward_layers
 from tests.harness.oci import Dir, File, ImageBuilder, busybox_layer
-from tests.harness.registry import PASSWORD, USER, AuthRegistry, Registry
+from tests.harness.registry import PASSWORD, USER, AuthRegistry, Registry, start_registry
 from tests.harness.lazynode import LazyNode
 
 pytestmark = pytest.mark.integration
@@ -195,3 +195,34 @@ def test_image_removal_cleans_up_lazy_layers(lazy_node: LazyNode, images: ImageB
     assert top_layer not in "".join(str(p) for p in lazy_node.layers.config.mountpoint.iterdir())
     lazy_node.pull(image.ref)
     assert c.run(image.ref, f"gc2-{unique}") == "gc\n"
+
+
+def test_registry_outage_after_the_pull(lazy_node: LazyNode, unique: str, tmp_path: Path) -> None:
+    own = start_registry()
+    try:
+        lazy_node.layers.config.allow_plain_http(own.host)
+        rng = random.Random(21)
+        cached, later = rng.randbytes(6 << 20), rng.randbytes(6 << 20)
+        image = ImageBuilder(own.host, tmp_path).push(
+            f"lazy/outage-{unique}",
+            [busybox_layer(), [File("/cached.bin", cached), File("/later.bin", later)]],
+            cmd=["/bin/sleep", "600"],
+        )
+        lazy_node.index(image.ref)
+        lazy_node.pull(image.ref)
+        c, name = lazy_node.containerd, f"outage-{unique}"
+        c.ctr("run", "-d", "--snapshotter", "bootseer", image.ref, name, "/bin/sleep", "600")
+        try:
+            digest = hashlib.sha256(cached).hexdigest()
+            assert c.exec(name, "e1", "/bin/sha256sum", "/cached.bin").split()[0] == digest
+            own.pause()
+            assert c.exec(name, "e2", "/bin/sha256sum", "/cached.bin").split()[0] == digest
+            with pytest.raises(CtrError, match="Input/output error"):
+                c.exec(name, "e3", "/bin/sha256sum", "/later.bin")
+            own.resume()
+            out = c.exec(name, "e4", "/bin/sha256sum", "/later.bin")
+            assert out.split()[0] == hashlib.sha256(later).hexdigest()
+        finally:
+            c.remove_container(name)
+    finally:
+        own.stop()

@@ -1,0 +1,61 @@
+"""Optional background fetch of whole layers: once a layer is served, its
+remaining blocks are fetched into the cache, one layer at a time, at a
+bounded bandwidth, and paused whenever a reader is waiting on a fetch."""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import structlog
+import trio
+
+from snapshotter.fs.reader import BlockUnavailable, LayerReader, Origin
+from snapshotter.layer.blockmath import fetch_runs
+
+log = structlog.get_logger("bootseer.fs")
+
+# Requests stay small so a reader's miss never waits long behind one.
+RUN_BYTES = 4 << 20
+# How often to look again while readers are fetching.
+YIELD_S = 0.05
+
+
+class Fetchable(Protocol):
+    reader: LayerReader
+
+    @property
+    def current(self) -> bool: ...
+
+
+class BackgroundFetch:
+    def __init__(self, bandwidth: int, read_slots: trio.CapacityLimiter) -> None:
+        self.bandwidth = bandwidth
+        self.read_slots = read_slots
+        self._send, self._receive = trio.open_memory_channel[Fetchable](math.inf)
+
+    def add(self, layer: Fetchable) -> None:
+        self._send.send_nowait(layer)
+
+    async def run(self) -> None:
+        async for layer in self._receive:
+            await self._fetch(layer)
+
+    async def _fetch(self, layer: Fetchable) -> None:
+        reader = layer.reader
+        blocks = reader.index.blocks
+        missing = [n for n in range(len(blocks)) if n not in reader.cached]
+        for run in fetch_runs(missing, blocks, max_bytes=RUN_BYTES):
+            if not layer.current:
+                return
+            while self.read_slots.borrowed_tokens:
+                await trio.sleep(YIELD_S)
+            began = trio.current_time()
+            try:
+                await reader.ensure(run, Origin.BACKGROUND)
+            except BlockUnavailable as exc:
+                log.warning("background fetch stopped", layer=reader.name, error=str(exc))
+                return
+            nbytes = blocks[run[-1]].cend - blocks[run[0]].cstart
+            await trio.sleep(max(0.0, nbytes / self.bandwidth - (trio.current_time() - began)))
+        log.info("layer fully cached in the background", layer=reader.name)
