@@ -1,7 +1,9 @@
 """The LMDB block index: (layer, block number) -> where the block lives in
 the compressed blob, in the uncompressed stream and in the local cache file,
-and its state. Only blocks whose bytes are durably in the cache are recorded
-as cached, so the cache survives FUSE server restarts and crashes."""
+its state and the crc32 of its uncompressed bytes. Blocks are recorded once
+written, without waiting for the disk; the crc lets a restarted server check
+each block on its first read, so a block lost in a power cut is fetched
+again rather than served as zeros."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import lmdb
 
-_RECORD = struct.Struct(">QQQQQB")
+_RECORD = struct.Struct(">QQQQQBI")
 
 
 class BlockState(enum.IntEnum):
@@ -27,6 +29,7 @@ class BlockRecord:
     uend: int
     cache_offset: int
     state: BlockState
+    crc32: int
 
 
 def _key(layer: str, number: int) -> bytes:
@@ -40,8 +43,9 @@ class BlockIndex:
 
     def put(self, layer: str, number: int, record: BlockRecord) -> None:
         value = _RECORD.pack(
-            record.cstart, record.cend, record.ustart, record.uend, record.cache_offset, record.state
-        )
+            record.cstart, record.cend, record.ustart, record.uend, record.cache_offset,
+            record.state, record.crc32,
+        )  # fmt: skip
         with self._env.begin(write=True) as txn:
             txn.put(_key(layer, number), value)
 
@@ -56,8 +60,8 @@ class BlockIndex:
                     if not key.startswith(prefix):
                         break
                     (number,) = struct.unpack(">I", key[len(prefix) :])
-                    cstart, cend, ustart, uend, offset, state = _RECORD.unpack(value)
-                    out[number] = BlockRecord(cstart, cend, ustart, uend, offset, BlockState(state))
+                    cstart, cend, ustart, uend, offset, state, crc = _RECORD.unpack(value)
+                    out[number] = BlockRecord(cstart, cend, ustart, uend, offset, BlockState(state), crc)
         return out
 
     def drop_layer(self, layer: str) -> None:

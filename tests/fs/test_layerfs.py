@@ -156,3 +156,25 @@ def test_background_fetch_caches_whole_layers(mount_layers: Callable[..., Mounte
     wait_until(lambda: source.bytes_fetched >= len(blob), 30, "the background fetch")
     source.down = True
     assert (m.layer(digest) / "weights").read_bytes() == data
+
+
+def test_cached_block_lost_before_a_restart_is_fetched_again(
+    mount_layers: Callable[..., Mounted], tmp_path: Path
+) -> None:
+    data = random.Random(19).randbytes(1 << 20)
+    blob = make_layer([(info("a", size=len(data)), data)])
+    from snapshotter.fs.layers import CACHE, LayerStore
+
+    store = LayerStore(tmp_path / "store")
+    digest = add_layer(store, tmp_path, blob, SPAN)
+    source = Blob(blob)
+    m = mount_layers({digest: source}, tmp_path / "store")
+    assert (m.layer(digest) / "a").read_bytes() == data
+    unmount(m)
+    # What a power cut can do: the block index says cached, the bytes are gone.
+    with open(store.path(digest.split(":")[1]) / CACHE, "r+b") as cache:
+        cache.write(b"\0" * (2 * SPAN))
+    fetched = source.bytes_fetched
+    again = mount_layers({digest: source}, tmp_path / "store")
+    assert (again.layer(digest) / "a").read_bytes() == data
+    assert source.bytes_fetched > fetched
