@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PROTOS := $(shell find proto -name '*.proto' | sort)
 
-.PHONY: setup proto demo test test-unit bench bench-snapshots bench-checkpoint bench-depsnap clean
+.PHONY: setup proto demo test test-unit bench bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap clean
 
 setup:
 	@scripts/setup.sh
@@ -22,10 +22,16 @@ test: setup
 test-unit: setup
 	$(PY) -m pytest -ra tests/unit $(PYTEST_ARGS)
 
-bench: bench-snapshots bench-checkpoint bench-depsnap
+bench: bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap
 
 bench-snapshots: setup
 	$(PY) -m bench.snapshots_latency
+
+bench-startup: setup
+	$(PY) -m bench.startup
+
+bench-fuse: setup
+	$(PY) -m bench.fusethroughput
 
 bench-checkpoint: setup
 	$(PY) -m bench.checkpoint

@@ -55,6 +55,8 @@ class FsConfig:
     # A stored layer no snapshot uses is removed by containerd's cleanup once
     # it is this old (younger ones may belong to a pull under way).
     layer_gc_grace_s: float = 600.0
+    # Record first runs and prefetch hot-block manifests (off: neither).
+    hot_blocks: bool = True
     # Hot blocks: a first run's recording ends once no new block was read
     # for record_idle_s, or after record_max_s.
     record_idle_s: float = 10.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,8 @@ TARGET_REF = "containerd.io/snapshot.ref"
 IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
 LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
 MANIFEST_DIGEST = "containerd.io/snapshot/cri.manifest-digest"
+# The layers from this one up, comma-separated (truncated to fit a label).
+IMAGE_LAYERS = "containerd.io/snapshot/cri.image-layers"
 # Marks the snapshots this path created, as stargz does.
 REMOTE_LABEL = "containerd.io/snapshot/remote"
 
@@ -68,7 +71,10 @@ class RemoteLayers:
         # Index blobs per image manifest: {layer digest: index blob descriptor digest}.
         self._artifacts: dict[str, dict[str, Descriptor]] = {}
         self._resolved: dict[str, str] = {}
-        self._lock = threading.Lock()
+        self._indexes: dict[str, Future[LayerIndex]] = {}
+        self._fetchers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="index-fetch")
+        # Reentrant: a future that is already done runs its callback at once.
+        self._lock = threading.RLock()
 
     @property
     def client(self) -> RegistryClient:
@@ -95,17 +101,39 @@ class RemoteLayers:
         ref = parse_reference(labels[IMAGE_REF])
         manifest_digest = labels.get(MANIFEST_DIGEST) or self._resolve(ref)
         name = layer_name(layer_digest)
-        if self.store.has(layer_digest):
-            index, _ = self.store.load(name)
-        else:
-            index, encoded = self._fetch_index(ref, manifest_digest, layer_digest)
-            self.store.add(index, LayerSource(ref=ref.name, digest=layer_digest), encoded)
+        # The layers above this one come next: fetch their indexes meanwhile.
+        upcoming = [d for d in labels.get(IMAGE_LAYERS, "").split(",") if d and d != layer_digest]
+        for digest in upcoming:
+            self._stored(ref, manifest_digest, digest)
+        index = self._stored(ref, manifest_digest, layer_digest).result()
         path = self.mountpoint / name
         # Looking the layer up makes the server load it, and proves it serves it.
         if not path.is_dir():
             raise NotLazy(f"the layer server does not show layer {name} at {path}")
         self._announce(ref, manifest_digest, layer_digest)
         return LazyLayer(path=path, index=index)
+
+    def _stored(self, ref: Reference, manifest_digest: str, layer_digest: str) -> Future[LayerIndex]:
+        """The layer's index, put in the layer store by a background thread;
+        a layer already on its way is not fetched twice."""
+        with self._lock:
+            future = self._indexes.get(layer_digest)
+            if future is None:
+                future = self._fetchers.submit(self._store_index, ref, manifest_digest, layer_digest)
+                self._indexes[layer_digest] = future
+                future.add_done_callback(lambda _: self._forget(layer_digest))
+        return future
+
+    def _forget(self, layer_digest: str) -> None:
+        with self._lock:
+            self._indexes.pop(layer_digest, None)
+
+    def _store_index(self, ref: Reference, manifest_digest: str, layer_digest: str) -> LayerIndex:
+        if self.store.has(layer_digest):
+            return self.store.load(layer_name(layer_digest))[0]
+        index, encoded = self._fetch_index(ref, manifest_digest, layer_digest)
+        self.store.add(index, LayerSource(ref=ref.name, digest=layer_digest), encoded)
+        return index
 
     def _resolve(self, ref: Reference) -> str:
         """The manifest digest of a reference, when containerd did not label it

@@ -21,7 +21,7 @@ import trio
 
 from snapshotter.fs import metrics
 from snapshotter.fs.blockindex import BlockIndex, BlockRecord, BlockState
-from snapshotter.layer.blockmath import fetch_runs, split_run
+from snapshotter.layer.blockmath import ReadAhead, fetch_runs, split_run
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import LayerIndex
 
@@ -43,6 +43,7 @@ class Origin(enum.Enum):
     hot-block prefetcher nor the background fetch ever holds up a reader."""
 
     READ = "read"
+    READAHEAD = "readahead"
     HOT = "hot"
     BACKGROUND = "background"
 
@@ -83,9 +84,12 @@ class LayerReader:
         self.fd = os.open(cache_path, os.O_RDWR)
         self.limiters = {
             Origin.READ: fetch_limiter,
+            # Read-ahead and hot-block prefetch share the prefetch slots.
+            Origin.READAHEAD: prefetch_limiter,
             Origin.HOT: prefetch_limiter,
             Origin.BACKGROUND: background_limiter,
         }
+        self.readahead = ReadAhead()
         self.on_access = on_access
         # Prefetched blocks no reader has asked for yet (the prefetch waste).
         self.unread_prefetched: set[int] = set()
@@ -104,10 +108,24 @@ class LayerReader:
             if n in self.unverified:
                 self._verify(n)
             self._account(n)
+        ahead = [
+            n
+            for n in self.readahead.observe(numbers.start, numbers.stop - 1)
+            if n < len(self.index.blocks) and n not in self.cached and n not in self.inflight
+        ]
+        if ahead:
+            trio.lowlevel.spawn_system_task(self._read_ahead, ahead)
         await self.ensure(numbers)
         data = await trio.to_thread.run_sync(os.pread, self.fd, end - start, start)
         metrics.READ_BYTES.inc(len(data))
         return data
+
+    async def _read_ahead(self, numbers: list[int]) -> None:
+        try:
+            await self.ensure(numbers, Origin.READAHEAD)
+        except BlockUnavailable:
+            # The reader gets the error if and when it gets there.
+            pass
 
     def _verify(self, n: int) -> None:
         # In the event loop, not a thread: a concurrent read of the same block

@@ -64,12 +64,16 @@ def serve(fs: FsConfig, registry: RegistryConfig) -> None:
         fs.background_bandwidth if fs.background_fetch else 0,
     )  # fmt: skip
     local = LocalManifests(fs.store / "hot.lmdb")
-    hot = HotBlocks(
-        fs.store,
-        ops.layer_for_digest,
-        client,
-        local,
-        HotBlockSettings(fs.record_idle_s, fs.record_max_s, fs.prefetch_parallel),
+    hot = (
+        HotBlocks(
+            fs.store,
+            ops.layer_for_digest,
+            client,
+            local,
+            HotBlockSettings(fs.record_idle_s, fs.record_max_s, fs.prefetch_parallel),
+        )
+        if fs.hot_blocks
+        else None
     )
     ops.events = hot
     _clear_stale_mount(fs.mountpoint)
@@ -99,10 +103,11 @@ async def _tune_readahead(ops: LayerFS, mountpoint: Path) -> None:
     await trio.to_thread.run_sync(set_kernel_readahead, mountpoint, KERNEL_READAHEAD)
 
 
-async def _main(ops: LayerFS, mountpoint: Path, hot: HotBlocks) -> None:
+async def _main(ops: LayerFS, mountpoint: Path, hot: HotBlocks | None) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pyfuse3.main)
-        nursery.start_soon(hot.run)
+        if hot is not None:
+            nursery.start_soon(hot.run)
         nursery.start_soon(_tune_readahead, ops, mountpoint)
         if ops.background is not None:
             nursery.start_soon(ops.background.run)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from snapshotter.layer.index import Block
 
@@ -33,3 +34,26 @@ def split_run(run: list[int], blocks: list[Block], data: bytes) -> dict[int, byt
     by a byte at checkpoints that start mid-byte)."""
     base = blocks[run[0]].cstart
     return {n: data[blocks[n].cstart - base : blocks[n].cend - base] for n in run}
+
+
+@dataclass
+class ReadAhead:
+    """Which blocks to fetch ahead of a reader going through a layer in order.
+
+    Reads inside the block last seen, or in the next one, count as sequential;
+    each step into a new block doubles the window (from 2, up to
+    `max_blocks`); any other read closes it. Random access fetches nothing
+    it did not ask for.
+    """
+
+    max_blocks: int = 8
+    window: int = 0
+    next_block: int = -1
+
+    def observe(self, first: int, last: int) -> range:
+        if first == self.next_block:
+            self.window = min(max(2, self.window * 2), self.max_blocks)
+        elif first != self.next_block - 1:
+            self.window = 0
+        self.next_block = last + 1
+        return range(last + 1, last + 1 + self.window)

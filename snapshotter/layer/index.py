@@ -153,7 +153,7 @@ class LayerIndex:
                 entries=[_row_entry(row) for row in doc["entries"]],
                 checkpoints=payload[4 + length :],
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise IndexFormatError(f"layer index is malformed: {exc!r}") from None
         index.validate()
         return index
@@ -177,7 +177,9 @@ class LayerIndex:
         if expected_u != self.uncompressed_size:
             raise IndexFormatError("blocks do not cover the uncompressed stream")
         for e in self.entries:
-            if normalize_name(e.name) != e.name:
+            if not _is_normalized(e.name):
+                if ".." in e.name.split("/"):
+                    raise IndexFormatError(f"entry {e.name!r} climbs out of the layer root")
                 raise IndexFormatError(f"entry name {e.name!r} is not normalised")
             if e.size < 0 or e.offset < 0 or e.offset + e.size > self.uncompressed_size:
                 raise IndexFormatError(f"entry {e.name!r} has data outside the layer")
@@ -192,6 +194,16 @@ def normalize_name(name: str) -> str:
     return path.lstrip("/")
 
 
+def _is_normalized(name: str) -> bool:
+    """normalize_name(name) == name, without building paths (indexes hold
+    tens of thousands of names)."""
+    if name == "":
+        return True
+    if name.startswith("/") or name.endswith("/") or "//" in name or "\x00" in name:
+        return False
+    return not any(part in (".", "..") for part in name.split("/"))
+
+
 def _entry_row(e: Entry) -> list[object]:
     xattrs = {k: base64.b64encode(v).decode() for k, v in e.xattrs.items()}
     return [
@@ -200,19 +212,16 @@ def _entry_row(e: Entry) -> list[object]:
     ]  # fmt: skip
 
 
+_ENTRY_TYPES = {t.value: t for t in EntryType}
+
+
 def _row_entry(row: list[Any]) -> Entry:
     name, etype, mode, uid, gid, mtime, size, offset, linkname, major, minor, xattrs = row
+    ints = (mode, uid, gid, size, offset, major, minor)
+    if not all(type(v) is int for v in ints) or etype not in _ENTRY_TYPES:
+        raise ValueError(f"malformed entry row {row!r}")
     return Entry(
-        name=str(name),
-        type=EntryType(etype),
-        mode=int(mode),
-        uid=int(uid),
-        gid=int(gid),
-        mtime=float(mtime),
-        size=int(size),
-        offset=int(offset),
-        linkname=str(linkname),
-        devmajor=int(major),
-        devminor=int(minor),
-        xattrs={str(k): base64.b64decode(v) for k, v in dict(xattrs).items()},
-    )
+        str(name), _ENTRY_TYPES[etype], mode, uid, gid, float(mtime), size, offset,
+        str(linkname), major, minor,
+        {str(k): base64.b64decode(v) for k, v in xattrs.items()} if xattrs else {},
+    )  # fmt: skip

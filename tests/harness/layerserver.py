@@ -27,6 +27,7 @@ class LazyConfig:
     # Tests let a recording settle quickly once the container stops reading.
     record_idle_s: float = 1.0
     record_max_s: float = 60.0
+    hot_blocks: bool = True
 
     @property
     def path(self) -> Path:
@@ -72,6 +73,7 @@ mountpoint = "{self.mountpoint}"
 metrics_address = "127.0.0.1:{self.metrics_port}"
 layer_gc_grace_s = 0
 record_idle_s = {self.record_idle_s}
+hot_blocks = {str(self.hot_blocks).lower()}
 record_max_s = {self.record_max_s}
 
 [registry]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from snapshotter.layer.blockmath import fetch_runs, split_run
+from snapshotter.layer.blockmath import ReadAhead, fetch_runs, split_run
 from snapshotter.layer.build import UnsupportedLayer, build_index
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import (
@@ -180,3 +180,15 @@ def test_tree_refuses_broken_hardlinks_and_file_parents() -> None:
         build_tree([entry("l", EntryType.HARDLINK, linkname="missing")])
     with pytest.raises(IndexFormatError, match="non-directory"):
         build_tree([entry("f"), entry("f/child")])
+
+
+def test_read_ahead_grows_on_sequential_reads_and_stops_on_random_ones() -> None:
+    ra = ReadAhead(max_blocks=8)
+    assert ra.observe(0, 0) == range(1, 1)  # a first read fetches nothing extra
+    assert ra.observe(0, 0) == range(1, 1)  # more reads in the same block
+    assert ra.observe(1, 1) == range(2, 4)  # into the next block: 2 ahead
+    assert ra.observe(2, 2) == range(3, 7)  # then 4
+    assert ra.observe(3, 4) == range(5, 13)  # then 8
+    assert ra.observe(5, 5) == range(6, 14)  # capped at 8
+    assert ra.observe(40, 40) == range(41, 41)  # a jump closes the window
+    assert ra.observe(41, 41) == range(42, 44)

@@ -1,0 +1,409 @@
+"""The shaped link between a node and its registry.
+
+The registry runs in a network namespace of its own, reached from the host
+over a veth pair; only that pair is shaped, so other work on this machine's
+loopback is untouched. Bandwidth: a `tc htb` class on the registry side of
+the pair (the download direction). Latency: `netem` does not work on these
+kernels, so a delay-line proxy on 127.0.0.1 holds every chunk for half the
+round trip in each direction (and one round trip before a new connection
+goes through, for the TCP handshake). The proxy can also pace bandwidth
+itself (`--shaper proxy`), which `calibrate` compares against tc.
+
+Run as `python -m bench.link proxy ...` it is the proxy process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.harness.procs import (
+    Daemon,
+    free_tcp_port,
+    pid_alive,
+    start_daemon,
+    tcp_port_answers,
+)
+
+NETNS_PREFIX = "bsbench-"
+CHUNK = 256 * 1024
+REGISTRY_PORT = 5000
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    name: str
+    rate_mbit: float
+    rtt_ms: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.rate_mbit * 1e6 / 8
+
+
+LINKS = {
+    "1gbit-2ms": LinkSpec("1gbit-2ms", 1000, 2),
+    "200mbit-20ms": LinkSpec("200mbit-20ms", 200, 20),
+}
+
+
+def _ip(*args: str, ns: str | None = None) -> None:
+    prefix = ["ip", "netns", "exec", ns] if ns else []
+    subprocess.run([*prefix, *args], check=True, capture_output=True, text=True)
+
+
+def remove_stale_namespaces() -> None:
+    """Namespaces an earlier benchmark run created and could not remove (killed)."""
+    listing = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, check=True
+    ).stdout
+    for name in re.findall(rf"^({NETNS_PREFIX}(\d+))\b", listing, re.MULTILINE):
+        if not pid_alive(int(name[1])):
+            subprocess.run(["ip", "netns", "del", name[0]], check=False)
+
+
+@dataclass
+class Netns:
+    """A namespace `bsbench-<pid>` joined to the host by a veth pair."""
+
+    name: str = field(default_factory=lambda: f"{NETNS_PREFIX}{os.getpid()}")
+    subnet: int = field(default_factory=lambda: 16 + os.getpid() % 224)
+
+    @property
+    def host_if(self) -> str:
+        return f"bsb{os.getpid()}h"
+
+    @property
+    def ns_if(self) -> str:
+        return f"bsb{os.getpid()}n"
+
+    @property
+    def host_addr(self) -> str:
+        return f"10.213.{self.subnet}.1"
+
+    @property
+    def ns_addr(self) -> str:
+        return f"10.213.{self.subnet}.2"
+
+    def create(self) -> None:
+        in_use = subprocess.run(
+            ["ip", "-o", "addr"], capture_output=True, text=True, check=True
+        ).stdout
+        if f"10.213.{self.subnet}." in in_use:
+            raise RuntimeError(
+                f"10.213.{self.subnet}.0/30 is already in use on this host"
+            )
+        _ip("ip", "netns", "add", self.name)
+        _ip(
+            "ip",
+            "link",
+            "add",
+            self.host_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            self.ns_if,
+            "netns",
+            self.name,
+        )
+        _ip("ip", "addr", "add", f"{self.host_addr}/30", "dev", self.host_if)
+        _ip("ip", "link", "set", self.host_if, "up")
+        _ip("ip", "addr", "add", f"{self.ns_addr}/30", "dev", self.ns_if, ns=self.name)
+        _ip("ip", "link", "set", self.ns_if, "up", ns=self.name)
+        _ip("ip", "link", "set", "lo", "up", ns=self.name)
+
+    def shape(self, rate_mbit: float) -> None:
+        """Limit registry -> host traffic to `rate_mbit` (replaces any earlier limit)."""
+        self.unshape()
+        rate = f"{rate_mbit}mbit"
+        dev = ["dev", self.ns_if]
+        _ip(
+            "tc",
+            "qdisc",
+            "add",
+            *dev,
+            "root",
+            "handle",
+            "1:",
+            "htb",
+            "default",
+            "10",
+            ns=self.name,
+        )
+        _ip(
+            "tc",
+            "class",
+            "add",
+            *dev,
+            "parent",
+            "1:",
+            "classid",
+            "1:10",
+            "htb",
+            "rate",
+            rate,
+            "ceil",
+            rate,
+            ns=self.name,
+        )
+
+    def unshape(self) -> None:
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.name,
+                "tc",
+                "qdisc",
+                "del",
+                "dev",
+                self.ns_if,
+                "root",
+            ],
+            capture_output=True,
+            check=False,  # nothing to remove is fine
+        )
+
+    def rx_bytes(self) -> int:
+        """Bytes the host has received from the registry side so far."""
+        return int(
+            Path(f"/sys/class/net/{self.host_if}/statistics/rx_bytes").read_text()
+        )
+
+    def destroy(self) -> None:
+        # Deleting the namespace deletes its end of the pair, and with it the pair.
+        subprocess.run(
+            ["ip", "netns", "del", self.name], check=False, capture_output=True
+        )
+
+
+@dataclass
+class NsRegistry:
+    """docker-registry inside the namespace, listening on its veth address."""
+
+    daemon: Daemon
+    netns: Netns
+    workdir: Path
+
+    @property
+    def host(self) -> str:
+        return f"{self.netns.ns_addr}:{REGISTRY_PORT}"
+
+
+def start_ns_registry(netns: Netns, workdir: Path) -> NsRegistry:
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "registry.yml"
+    # JSON is valid YAML.
+    config.write_text(
+        '{"version": 0.1, "log": {"level": "warn", "accesslog": {"disabled": true}},'
+        f' "storage": {{"filesystem": {{"rootdirectory": "{workdir / "storage"}"}}}},'
+        f' "http": {{"addr": "{netns.ns_addr}:{REGISTRY_PORT}"}}}}'
+    )
+    daemon = start_daemon(
+        "docker-registry (bench netns)",
+        ["ip", "netns", "exec", netns.name, "docker-registry", "serve", str(config)],
+        workdir / "registry.log",
+        ready=lambda: tcp_port_answers(netns.ns_addr, REGISTRY_PORT),
+    )
+    return NsRegistry(daemon, netns, workdir)
+
+
+@dataclass
+class DelayProxy:
+    daemon: Daemon
+    port: int
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.daemon.stop()
+
+
+def start_proxy(
+    upstream: str, rtt_ms: float, rate_mbit: float, log: Path
+) -> DelayProxy:
+    """The delay line in front of `upstream`; `rate_mbit` > 0 also paces downloads."""
+    port = free_tcp_port()
+    argv = [
+        sys.executable, "-m", "bench.link", "proxy", "--port", str(port), "--upstream", upstream,
+        "--rtt-ms", str(rtt_ms), "--rate-mbit", str(rate_mbit),
+    ]  # fmt: skip
+    daemon = start_daemon(
+        f"delay proxy {rtt_ms} ms",
+        argv,
+        log,
+        ready=lambda: tcp_port_answers("127.0.0.1", port),
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    return DelayProxy(daemon, port)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    shaper: str
+    rate_mbit_measured: float
+    rtt_ms_measured: float
+    first_request_ms: float
+
+    def describe(self, spec: LinkSpec) -> dict[str, float | str]:
+        return {
+            "shaper": self.shaper,
+            "rate_mbit": round(self.rate_mbit_measured, 1),
+            "rate_vs_configured": round(self.rate_mbit_measured / spec.rate_mbit, 3),
+            "rtt_ms": round(self.rtt_ms_measured, 2),
+            "new_connection_request_ms": round(self.first_request_ms, 2),
+        }
+
+
+def calibrate(
+    shaper: str, proxy_host: str, blob_url_path: str, spec: LinkSpec
+) -> Calibration:
+    """Measure what the link gives: rate on one big download, RTT on small requests."""
+    base = f"http://{proxy_host}"
+    fresh = []
+    for _ in range(3):
+        start = time.perf_counter()
+        httpx.get(f"{base}/v2/", timeout=30)
+        fresh.append(time.perf_counter() - start)
+    with httpx.Client(timeout=60) as client:
+        client.get(f"{base}/v2/")
+        kept = []
+        for _ in range(5):
+            start = time.perf_counter()
+            client.get(f"{base}/v2/")
+            kept.append(time.perf_counter() - start)
+        # About two seconds of transfer at the configured rate.
+        size = int(spec.bytes_per_s * 2)
+        start = time.perf_counter()
+        got = 0
+        with client.stream(
+            "GET", base + blob_url_path, headers={"Range": f"bytes=0-{size - 1}"}
+        ) as response:
+            response.raise_for_status()
+            for chunk in response.iter_raw():
+                got += len(chunk)
+        seconds = time.perf_counter() - start
+    return Calibration(
+        shaper,
+        got * 8 / seconds / 1e6,
+        statistics.median(kept) * 1000,
+        statistics.median(fresh) * 1000,
+    )
+
+
+class _Pacer:
+    """One token bucket for all connections: the link is shared."""
+
+    def __init__(self, rate_mbit: float) -> None:
+        self.bytes_per_s = rate_mbit * 1e6 / 8
+        self.next_free = 0.0
+
+    async def take(self, n: int) -> None:
+        loop = asyncio.get_running_loop()
+        start = max(loop.time(), self.next_free)
+        self.next_free = start + n / self.bytes_per_s
+        wait = start - loop.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+
+async def _pipe(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    one_way_s: float,
+    pacer: _Pacer | None,
+) -> None:
+    loop = asyncio.get_running_loop()
+    # Bounded, so a slow reader pushes back on the sender as a real link does.
+    line: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(maxsize=64)
+
+    async def receive() -> None:
+        while True:
+            data = await reader.read(CHUNK)
+            if pacer is not None and data:
+                await pacer.take(len(data))
+            await line.put((loop.time() + one_way_s, data))
+            if not data:
+                return
+
+    async def deliver() -> None:
+        while True:
+            due, data = await line.get()
+            delay = due - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if not data:
+                if writer.can_write_eof():
+                    writer.write_eof()
+                return
+            writer.write(data)
+            await writer.drain()
+
+    await asyncio.gather(receive(), deliver())
+
+
+async def _serve(port: int, upstream: str, rtt_ms: float, rate_mbit: float) -> None:
+    host, up_port = upstream.rsplit(":", 1)
+    one_way = rtt_ms / 2000
+    pacer = _Pacer(rate_mbit) if rate_mbit > 0 else None
+
+    async def handle(
+        c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            # The TCP handshake costs a round trip before the first byte moves.
+            await asyncio.sleep(2 * one_way)
+            u_reader, u_writer = await asyncio.open_connection(host, int(up_port))
+        except OSError:
+            c_writer.close()
+            return
+        try:
+            await asyncio.gather(
+                _pipe(c_reader, u_writer, one_way, None),
+                _pipe(u_reader, c_writer, one_way, pacer),
+            )
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for w in (c_writer, u_writer):
+                w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=256)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="bench.link: the delay-line proxy")
+    sub = parser.add_subparsers(dest="command", required=True)
+    proxy = sub.add_parser("proxy")
+    proxy.add_argument("--port", type=int, required=True)
+    proxy.add_argument("--upstream", required=True, help="HOST:PORT")
+    proxy.add_argument("--rtt-ms", type=float, required=True)
+    proxy.add_argument(
+        "--rate-mbit",
+        type=float,
+        default=0.0,
+        help="pace downloads too (0: tc does it)",
+    )
+    args = parser.parse_args()
+    asyncio.run(_serve(args.port, args.upstream, args.rtt_ms, args.rate_mbit))
+
+
+if __name__ == "__main__":
+    main()

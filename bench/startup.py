@@ -1,0 +1,656 @@
+"""Time to ready of a training container from a realistic image over a shaped
+link, for every pull mode, against the limit. Run: `make bench-startup`
+(`--quick` for a few-minute run: small image, one link, one run per mode).
+
+- image: bench/image.py (Python, torch, numpy, weights, a long tail), pushed
+  once to a docker-registry in a network namespace of the benchmark's own;
+- link: bench/link.py (tc htb on the namespace's veth + a delay-line proxy);
+- modes, interleaved round by round, caches dropped before each run:
+  `overlayfs` (containerd's default: `ctr images pull`, then `ctr run`),
+  `lazy` (`bootseer pull`, then `ctr run --snapshotter bootseer`), and
+  `warm` (image already unpacked locally). Cold modes get a fresh node
+  (layer server, snapshotter, containerd) every run, hot blocks off.
+- `prefetch`: the same with hot blocks on; before the runs, one recording run
+  on its own fresh node publishes the image's hot-block manifest.
+- time to ready: from the pull's start to the script's READY line;
+  the limit: warm time + the compressed bytes of the blocks the start reads
+  (as the lazy run's layer server fetched them) / link rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from bench import image, link, report, timeline
+from bench.timeline import Run, ScriptOutput, Segment
+from tests.harness.containerd import CTR_BIN, Containerd, start_containerd
+from tests.harness.layerserver import LayerServer, LazyConfig
+from tests.harness.oci import push
+from tests.harness.snapshotter import BOOTSEER_BIN, Snapshotter, start_snapshotter
+
+NAME = "startup"
+REPOSITORY = "bench/train"
+TARGETS = {
+    "lazy_vs_overlayfs": 0.40,
+    "prefetch_vs_overlayfs": 0.15,
+    "prefetch_vs_limit": 1.25,
+}
+# Bounds a hung pull or container, not a slow one: 1.2 GB at 200 Mbit/s is ~50 s.
+STEP_TIMEOUT = 900.0
+SAMPLE_EVERY_S = 0.02
+LAYER_SERVER_METRICS = (
+    "bootseer_fs_fetched_bytes_total",
+    "bootseer_fs_fetched_blocks_total",
+    "bootseer_fs_fetch_seconds_count",
+    "bootseer_fs_fetch_seconds_sum",
+    "bootseer_fs_read_bytes_total",
+)
+WORKDIR = Path("/var/tmp/bootseer-bench")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+@dataclass
+class Node:
+    """One machine's worth of daemons: layer server, bootseer snapshotter, containerd."""
+
+    layers: LayerServer
+    snapshotter: Snapshotter
+    containerd: Containerd
+
+    def teardown(self) -> list[str]:
+        return (
+            self.containerd.stop()
+            + self.snapshotter.teardown()
+            + self.layers.teardown()
+        )
+
+
+def start_node(plain_http_hosts: list[str], hot_blocks: bool = False) -> Node:
+    config = LazyConfig(
+        Path(tempfile.mkdtemp(prefix="bs-bench-", dir="/tmp")), plain_http_hosts, hot_blocks=hot_blocks
+    )
+    config.write()
+    # Debug logging of every FUSE call would be part of what is measured.
+    config.path.write_text(
+        config.path.read_text().replace('level = "debug"', 'level = "info"', 1)
+    )
+    layers = LayerServer(config)
+    started: list[Callable[[], object]] = []
+    try:
+        layers.start()
+        started.append(layers.teardown)
+        snapshotter = start_snapshotter(
+            ["--config", str(config.path), "--log-level", "info"]
+        )
+        started.append(snapshotter.teardown)
+        containerd = start_containerd(snapshotter.address)
+        started.append(containerd.stop)
+        containerd.wait_snapshotter()
+    except BaseException:
+        for stop in reversed(started):
+            stop()
+        raise
+    return Node(layers, snapshotter, containerd)
+
+
+class RxSampler:
+    """Samples the link's received-bytes counter, for the pull's fetch/unpack split
+    and the throughput track of the plot."""
+
+    def __init__(self, netns: link.Netns) -> None:
+        self.netns = netns
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, name="rx-sampler", daemon=True
+        )
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self.netns.rx_bytes()))
+            self._stop.wait(SAMPLE_EVERY_S)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.time(), self.netns.rx_bytes()))
+
+    @property
+    def received(self) -> int:
+        return self.samples[-1][1] - self.samples[0][1]
+
+
+@dataclass
+class Setup:
+    """Everything a timed run needs for the current link."""
+
+    netns: link.Netns
+    proxy: link.DelayProxy
+    warm: Node
+    direct_ref: (
+        str  # through the veth, unshaped by the proxy: what the warm node pulled
+    )
+
+    @property
+    def ref(self) -> str:
+        return f"{self.proxy.host}/{REPOSITORY}:v1"
+
+
+@dataclass
+class RunContext:
+    setup: Setup
+    node: Node
+    sampler: RxSampler
+    t0: float
+    ref: str
+    notes: dict[str, object] = field(default_factory=dict)
+
+
+def _pull_overlayfs(ctx: RunContext) -> list[Segment]:
+    ctx.node.containerd.ctr(
+        "images",
+        "pull",
+        "--plain-http",
+        "--snapshotter",
+        "overlayfs",
+        ctx.ref,
+        timeout=STEP_TIMEOUT,
+    )
+    end = time.time()
+    quiet = timeline.fetch_end(ctx.sampler.samples, end)
+    return [
+        Segment("pull: fetch", 0.0, quiet - ctx.t0),
+        Segment("pull: unpack", quiet - ctx.t0, end - ctx.t0),
+    ]
+
+
+def _pull_lazy(ctx: RunContext) -> list[Segment]:
+    c = ctx.node.containerd
+    out = subprocess.run(
+        [str(BOOTSEER_BIN), "pull", "--config", str(ctx.node.layers.config.path), "--address", str(c.address),
+         "--namespace", c.namespace, "--snapshotter", "bootseer", ctx.ref],
+        capture_output=True, text=True, timeout=STEP_TIMEOUT, check=False,
+    )  # fmt: skip
+    end = time.time()
+    counts = re.search(r"\((\d+) remote, (\d+) fetched", out.stdout)
+    if out.returncode != 0 or counts is None or int(counts.group(1)) == 0:
+        raise RuntimeError(
+            f"bootseer pull did not pull lazily ({out.returncode}):\n{out.stdout}\n{out.stderr}"
+        )
+    ctx.notes["remote_layers"] = int(counts.group(1))
+    ctx.notes["fetched_layers"] = int(counts.group(2))
+    return [Segment("pull: index + remote mounts", 0.0, end - ctx.t0)]
+
+
+def _pull_nothing(ctx: RunContext) -> list[Segment]:
+    return []
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    cold: bool  # a fresh node, pulling over the link; else the warm node
+    snapshotter: str
+    pull: Callable[[RunContext], list[Segment]]
+    # Hot blocks on (the layer server prefetches the published manifest);
+    # off for `lazy`, so it measures on-demand fetching alone.
+    hot_blocks: bool = False
+
+
+MODES = {
+    m.name: m
+    for m in (
+        Mode("overlayfs", True, "overlayfs", _pull_overlayfs),
+        Mode("lazy", True, "bootseer", _pull_lazy),
+        Mode("prefetch", True, "bootseer", _pull_lazy, hot_blocks=True),
+        Mode("warm", False, "overlayfs", _pull_nothing),
+    )
+}
+
+
+def _run_container(
+    c: Containerd, snapshotter: str, ref: str, container_id: str
+) -> tuple[float, ScriptOutput]:
+    """`ctr run` the image's entry point; when its READY line came, and what it printed."""
+    argv = [CTR_BIN, "--address", str(c.address), "--namespace", c.namespace,
+            "run", "--rm", "--snapshotter", snapshotter, ref, container_id]  # fmt: skip
+    script = ScriptOutput()
+    ready_at = 0.0
+    lines: list[str] = []
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    timer = threading.Timer(STEP_TIMEOUT, proc.kill)
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if script.feed(line):
+                ready_at = time.time()
+        proc.wait()
+    finally:
+        timer.cancel()
+    if proc.returncode != 0 or not ready_at:
+        raise RuntimeError(
+            f"`{' '.join(argv)}` exited {proc.returncode} without READY:\n{''.join(lines[-30:])}"
+        )
+    return ready_at, script
+
+
+def timed_run(setup: Setup, mode: Mode, number: int) -> Run:
+    node = start_node([setup.proxy.host], mode.hot_blocks) if mode.cold else setup.warm
+    ref = setup.ref if mode.cold else setup.direct_ref
+    try:
+        drop_caches()
+        with RxSampler(setup.netns) as sampler:
+            ctx = RunContext(setup, node, sampler, time.time(), ref)
+            pull = mode.pull(ctx)
+            pull_end = time.time()
+            ready_at, script = _run_container(
+                node.containerd, mode.snapshotter, ref, f"{mode.name}-{number}"
+            )
+        metrics = (
+            {name: node.layers.metric(name) for name in LAYER_SERVER_METRICS}
+            if mode.snapshotter == "bootseer"
+            else {}
+        )
+    finally:
+        if mode.cold:
+            leftovers = node.teardown()
+            if leftovers:
+                log(f"warning: mounts left behind: {leftovers}")
+    return Run(
+        mode=mode.name,
+        ready_s=ready_at - ctx.t0,
+        bytes_fetched=sampler.received,
+        segments=timeline.timeline(ctx.t0, pull, pull_end, ready_at, script),
+        read_bytes=script.read_bytes,
+        layer_server=metrics,
+    )
+
+
+def _record_hot_blocks(setup: Setup) -> None:
+    """The image's first run anywhere: a fresh node records the blocks the
+    start reads and publishes the manifest the `prefetch` runs then use."""
+    node = start_node([setup.proxy.host], hot_blocks=True)
+    try:
+        ctx = RunContext(setup, node, RxSampler(setup.netns), time.time(), setup.ref)
+        _pull_lazy(ctx)
+        _run_container(node.containerd, "bootseer", setup.ref, "record")
+        show = [str(BOOTSEER_BIN), "record", "--config", str(node.layers.config.path), "show", setup.ref]
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while (shown := subprocess.run(show, capture_output=True, text=True)).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the recording run published no hot-block manifest")
+            time.sleep(0.5)
+        log(f"hot-block manifest published: {shown.stdout.splitlines()[0]}")
+    finally:
+        node.teardown()
+
+
+def _calibrate(
+    netns: link.Netns, upstream: str, spec: link.LinkSpec, blob_path: str, shaper: str
+) -> tuple[link.DelayProxy, dict[str, object]]:
+    """Measure both shapers on this link; leave the chosen one in place."""
+    results = {}
+    for kind in ("proxy", "tc"):
+        if kind == "tc":
+            netns.shape(spec.rate_mbit)
+        else:
+            netns.unshape()
+        proxy = link.start_proxy(
+            upstream,
+            spec.rtt_ms,
+            spec.rate_mbit if kind == "proxy" else 0.0,
+            WORKDIR / f"proxy-{kind}.log",
+        )
+        try:
+            results[kind] = link.calibrate(kind, proxy.host, blob_path, spec)
+        finally:
+            proxy.stop()
+    if shaper == "proxy":
+        netns.unshape()
+    chosen = link.start_proxy(
+        upstream,
+        spec.rtt_ms,
+        spec.rate_mbit if shaper == "proxy" else 0.0,
+        WORKDIR / "proxy.log",
+    )
+    return chosen, {k: c.describe(spec) for k, c in results.items()}
+
+
+def run_link(
+    setup_base: tuple[link.Netns, Node, str],
+    spec: link.LinkSpec,
+    built: image.BuiltImage,
+    modes: list[Mode],
+    runs: int,
+    shaper: str,
+) -> tuple[dict[str, object], dict[str, Run]]:
+    netns, warm, direct_ref = setup_base
+    upstream = f"{netns.ns_addr}:{link.REGISTRY_PORT}"
+    biggest = max(zip(built.layout.layer_sizes, built.layout.layer_digests))[1]
+    proxy, calibration = _calibrate(
+        netns, upstream, spec, f"/v2/{REPOSITORY}/blobs/{biggest}", shaper
+    )
+    setup = Setup(netns, proxy, warm, direct_ref)
+    by_mode: dict[str, list[Run]] = {m.name: [] for m in modes}
+    try:
+        if any(m.hot_blocks for m in modes):
+            _record_hot_blocks(setup)
+        for i in range(runs):
+            # Rotate the order each round, so drift in the machine's load hits every mode alike.
+            for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+                run = timed_run(setup, mode, i)
+                by_mode[mode.name].append(run)
+                log(
+                    f"{spec.name} round {i + 1}/{runs} {mode.name:9} ready in {run.ready_s:6.2f} s, "
+                    f"{run.bytes_fetched / 1e6:8.1f} MB over the link"
+                )
+    finally:
+        proxy.stop()
+        netns.unshape()
+    summary = {name: timeline.summarise(rs) for name, rs in by_mode.items()}
+    representative = {
+        name: sorted(rs, key=lambda r: r.ready_s)[len(rs) // 2]
+        for name, rs in by_mode.items()
+    }
+    return _link_results(spec, shaper, calibration, summary), representative
+
+
+def _link_results(
+    spec: link.LinkSpec,
+    shaper: str,
+    calibration: dict[str, object],
+    summary: dict[str, dict],
+) -> dict[str, object]:
+    def median(mode: str) -> float | None:
+        return summary[mode]["median_s"] if mode in summary else None
+
+    hot_bytes, hot_source = _hot_bytes(summary)
+    limit = None
+    if "warm" in summary and hot_bytes:
+        limit = round(
+            timeline.limit_s(summary["warm"]["median_s"], hot_bytes, spec.bytes_per_s),
+            3,
+        )
+    ratios = {
+        "lazy_vs_overlayfs": timeline.ratio(median("lazy"), median("overlayfs")),
+        "prefetch_vs_overlayfs": timeline.ratio(
+            median("prefetch"), median("overlayfs")
+        ),
+        "prefetch_vs_limit": timeline.ratio(median("prefetch"), limit),
+        "lazy_vs_limit": timeline.ratio(median("lazy"), limit),
+        "overlayfs_vs_limit": timeline.ratio(median("overlayfs"), limit),
+        "warm_vs_overlayfs": timeline.ratio(median("warm"), median("overlayfs")),
+    }
+    modes: dict[str, object] = dict(summary)
+    if "warm" in summary:
+        warm = summary["warm"]["breakdown_s"]
+        for name, mode_summary in summary.items():
+            if name != "warm":
+                mode_summary["excess_over_warm_s"] = timeline.waits_vs_warm(
+                    mode_summary["breakdown_s"], warm
+                )
+    return {
+        "link": {"name": spec.name, "rate_mbit": spec.rate_mbit, "rtt_ms": spec.rtt_ms, "shaper": shaper,
+                 "calibration": calibration},
+        "modes": modes,
+        "limit_s": limit,
+        "hot_bytes": hot_bytes,
+        "limit_definition": f"warm median + hot_bytes ({hot_source}) / configured link rate",
+        "ratios": ratios,
+        "targets": {k: {"target": v, "measured": ratios[k], "met": None if ratios[k] is None else ratios[k] <= v}
+                    for k, v in TARGETS.items()},
+        "closing_note": _closing_note(ratios, summary),
+    }  # fmt: skip
+
+
+def _hot_bytes(summary: dict[str, dict]) -> tuple[int | None, str]:
+    """What the start needs over the link. The layer server fetches exactly the
+    compressed blocks the start's reads touch, so the lazy run's fetched bytes
+    are it; uncompressed read counts would overstate what crosses the wire.
+    Without a lazy run, the warm start's disk reads stand in (an upper bound)."""
+    lazy = (
+        summary.get("lazy", {})
+        .get("layer_server", {})
+        .get("bootseer_fs_fetched_bytes_total")
+    )
+    if lazy:
+        return (
+            int(lazy),
+            "compressed bytes of the blocks the lazy start read, as the layer server fetched them",
+        )
+    warm = summary.get("warm", {}).get("start_read_bytes")
+    return (
+        warm,
+        "uncompressed bytes the warm start read from disk (/proc/self/io read_bytes)",
+    )
+
+
+def _closing_note(
+    ratios: dict[str, float | None], summary: dict[str, dict]
+) -> list[str]:
+    notes = []
+    for key, target in TARGETS.items():
+        measured = ratios[key]
+        mode = key.split("_vs_")[0]
+        if measured is None:
+            notes.append(f"{key}: not measured ({mode} not run)")
+            continue
+        if measured <= target:
+            notes.append(f"{key} = {measured} meets the target {target}")
+            continue
+        s = summary[mode]
+        excess = s.get("excess_over_warm_s", {})
+        pull = {k: v for k, v in s["breakdown_s"].items() if k.startswith("pull")}
+        worst = max(excess.items(), key=lambda kv: kv[1], default=("?", 0.0))
+        ls = s.get("layer_server", {})
+        fetch = (
+            f"; layer server: {ls.get('bootseer_fs_fetched_bytes_total', 0) / 1e6:.0f} MB fetched in "
+            f"{ls.get('bootseer_fs_fetch_seconds_count', 0):.0f} range requests, "
+            f"{ls.get('bootseer_fs_fetch_seconds_sum', 0):.1f} s of summed request time"
+            if ls
+            else ""
+        )
+        notes.append(
+            f"{key} = {measured} misses the target {target}: pull {sum(pull.values()):.2f} s {pull}; "
+            f"the segment furthest above warm is '{worst[0]}' (+{worst[1]:.2f} s){fetch}"
+        )
+    return notes
+
+
+COLORS = {
+    "pull: fetch": "#1f77b4", "pull: unpack": "#aec7e8", "pull: index + remote mounts": "#17becf",
+    "container start + interpreter": "#ff7f0e", "import torch": "#d62728", "build model": "#9467bd",
+    "load config + shard": "#8c564b", timeline.READY_SEGMENT: "#2ca02c",
+}  # fmt: skip
+
+
+def plot(
+    per_link: dict[str, dict[str, object]],
+    representative: dict[str, dict[str, Run]],
+    path: Path,
+) -> None:
+    fig, axes = plt.subplots(
+        len(per_link), 1, figsize=(11, 2.2 + 1.6 * len(per_link)), squeeze=False
+    )
+    for ax, (name, results) in zip(axes[:, 0], per_link.items()):
+        runs = representative[name]
+        order = [m for m in ("overlayfs", "lazy", "prefetch", "warm") if m in runs]
+        for row, mode in enumerate(order):
+            for seg in runs[mode].segments:
+                ax.broken_barh(
+                    [(seg.start, seg.seconds)],
+                    (row - 0.35, 0.7),
+                    color=COLORS.get(seg.label, "grey"),
+                    label=seg.label,
+                )
+            ax.text(
+                runs[mode].ready_s,
+                row,
+                f" {runs[mode].ready_s:.1f} s",
+                va="center",
+                fontsize=8,
+            )
+        limit = results["limit_s"]
+        if limit:
+            ax.axvline(
+                limit,
+                color="black",
+                linestyle="--",
+                linewidth=1,
+                label=f"limit {limit:.1f} s",
+            )
+        ax.set_yticks(range(len(order)), order)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds since the pull began (median run)")
+        ax.set_title(f"time to ready over {name} ({results['link']['shaper']} shaper)")
+    handles, labels = [], []
+    for ax in axes[:, 0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--link", choices=[*link.LINKS, "all"], default="all")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="timed runs per mode and link"
+    )
+    parser.add_argument("--image", choices=["full", "quick"], default="full")
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated subset of {','.join(MODES)}",
+    )
+    parser.add_argument(
+        "--shaper", choices=["tc", "proxy"], default="tc", help="what limits bandwidth"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small image, 1gbit-2ms only, one run per mode",
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.image, args.runs, args.link = "quick", 1, "1gbit-2ms"
+    modes = [MODES[m] for m in args.modes.split(",")]
+    specs = list(link.LINKS.values()) if args.link == "all" else [link.LINKS[args.link]]
+    WORKDIR.mkdir(parents=True, exist_ok=True)
+
+    built = image.build(image.QUICK if args.image == "quick" else image.FULL, log)
+    log(
+        f"image {built.spec.name}: {built.uncompressed_bytes / 1e9:.2f} GB uncompressed, "
+        f"{built.compressed_bytes / 1e9:.2f} GB compressed, {len(built.layer_names)} layers"
+    )
+    link.remove_stale_namespaces()
+    netns = link.Netns()
+    netns.create()
+    registry = warm = None
+    try:
+        registry = link.start_ns_registry(
+            netns, Path(tempfile.mkdtemp(prefix="bs-bench-reg-", dir=WORKDIR))
+        )
+        direct_ref = f"{registry.host}/{REPOSITORY}:v1"
+        log(f"pushing to {direct_ref} and indexing (unshaped)")
+        push(built.layout, direct_ref)
+        warm = start_node([registry.host])
+        index = subprocess.run([str(BOOTSEER_BIN), "index", "--config", str(warm.layers.config.path), "--quiet", direct_ref],
+                               capture_output=True, text=True, timeout=STEP_TIMEOUT, check=False)  # fmt: skip
+        if index.returncode != 0:
+            raise RuntimeError(
+                f"bootseer index failed:\n{index.stdout}\n{index.stderr}"
+            )
+        warm.containerd.pull(direct_ref, snapshotter="overlayfs")
+        per_link: dict[str, dict[str, object]] = {}
+        representative: dict[str, dict[str, Run]] = {}
+        for spec in specs:
+            log(
+                f"link {spec.name}: calibrating, then {args.runs} round(s) of {', '.join(m.name for m in modes)}"
+            )
+            per_link[spec.name], representative[spec.name] = run_link(
+                (netns, warm, direct_ref), spec, built, modes, args.runs, args.shaper
+            )
+    finally:
+        if warm is not None:
+            warm.teardown()
+        if registry is not None:
+            registry.daemon.stop()
+            # The image stays cached under WORKDIR; the registry's copy of it goes.
+            shutil.rmtree(registry.workdir, ignore_errors=True)
+        netns.destroy()
+
+    first = per_link[specs[0].name]
+    results = {
+        "image": built.describe(),
+        "runs_per_mode": args.runs,
+        "note": "2-core VM shared with other engineers' test runs: figures may be depressed by contention",
+        # The first link's figures at the top level, every link under "links".
+        "link": first["link"],
+        "modes": first["modes"],
+        "limit_s": first["limit_s"],
+        "ratios": first["ratios"],
+        "links": per_link,
+    }
+    out = report.write(NAME, results)
+    plot(per_link, representative, report.RESULTS / f"{NAME}.png")
+    _print_table(per_link)
+    print(f"wrote {out} and {report.RESULTS / f'{NAME}.png'}")
+
+
+def _print_table(per_link: dict[str, dict[str, object]]) -> None:
+    for name, results in per_link.items():
+        print(f"\n{name}: limit {results['limit_s']} s")
+        print(f"{'mode':10}{'median s':>10}{'MB fetched':>12}")
+        for mode, s in results["modes"].items():  # type: ignore[union-attr]
+            if "median_s" in s:
+                print(
+                    f"{mode:10}{s['median_s']:>10.2f}{s['bytes_fetched'] / 1e6:>12.1f}"
+                )
+        for line in results["closing_note"]:  # type: ignore[union-attr]
+            print("  " + line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The startup benchmark's arithmetic: one run's timeline from its marks,
+medians per mode, the limit and the ratios. Pure, so it has unit tests."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import statistics
+from dataclasses import dataclass, field
+
+# The training-start script's marks, in order; each ends the segment named here.
+SCRIPT_SEGMENTS = (
+    ("interpreter", "container start + interpreter"),
+    ("import_torch", "import torch"),
+    ("build_model", "build model"),
+    ("load_shard", "load config + shard"),
+)
+READY_SEGMENT = "first forward + ready"
+PHASE_LINE = re.compile(r"^PHASE (\w+) ([0-9.]+)$")
+READY_LINE = re.compile(r"^READY .*read_bytes=(\d+)")
+
+
+@dataclass(frozen=True)
+class Segment:
+    label: str
+    start: float  # seconds since the pull began
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class ScriptOutput:
+    """What the training-start script printed: phase marks (epoch seconds) and READY."""
+
+    marks: dict[str, float] = field(default_factory=dict)
+    read_bytes: int | None = None
+
+    def feed(self, line: str) -> bool:
+        """Take one output line; True once it was the READY line."""
+        line = line.strip()
+        if m := PHASE_LINE.match(line):
+            self.marks[m.group(1)] = float(m.group(2))
+        elif m := READY_LINE.match(line):
+            self.read_bytes = int(m.group(1))
+            return True
+        return False
+
+
+@dataclass
+class Run:
+    mode: str
+    ready_s: float
+    bytes_fetched: int
+    segments: list[Segment]
+    read_bytes: int | None = None
+    # Counter deltas from the layer server for this run (lazy modes).
+    layer_server: dict[str, float] = field(default_factory=dict)
+
+
+def timeline(
+    t0: float,
+    pull: list[Segment],
+    pull_end: float,
+    ready_at: float,
+    script: ScriptOutput,
+) -> list[Segment]:
+    """Pull segments, then the container's: each script mark closes one segment.
+
+    `t0`, `pull_end` and `ready_at` are epoch seconds, as the marks are;
+    `pull` segments are already relative to `t0`.
+    """
+    segments = list(pull)
+    previous = pull_end
+    for mark, label in SCRIPT_SEGMENTS:
+        at = script.marks.get(mark)
+        if at is None:
+            raise ValueError(
+                f"the script printed no {mark!r} mark: {sorted(script.marks)}"
+            )
+        segments.append(Segment(label, previous - t0, at - t0))
+        previous = at
+    segments.append(Segment(READY_SEGMENT, previous - t0, ready_at - t0))
+    return segments
+
+
+def fetch_end(samples: list[tuple[float, int]], until: float) -> float:
+    """When the link went quiet for good before `until`: the last time its
+    byte counter grew. `samples` are (time, cumulative bytes), oldest first."""
+    last_growth = samples[0][0] if samples else 0.0
+    for (_, before), (at, after) in itertools.pairwise(samples):
+        if at > until:
+            break
+        if after > before:
+            last_growth = at
+    return min(last_growth, until)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def summarise(runs: list[Run]) -> dict[str, object]:
+    """Medians of one mode's runs, and its median breakdown by segment."""
+    labels: list[str] = []
+    for run in runs:
+        labels += [s.label for s in run.segments if s.label not in labels]
+    breakdown = {
+        label: round(
+            _median(
+                [sum(s.seconds for s in r.segments if s.label == label) for r in runs]
+            ),
+            3,
+        )
+        for label in labels
+    }
+    out: dict[str, object] = {
+        "median_s": round(_median([r.ready_s for r in runs]), 3),
+        "runs_s": [round(r.ready_s, 3) for r in runs],
+        "bytes_fetched": int(_median([r.bytes_fetched for r in runs])),
+        "breakdown_s": breakdown,
+    }
+    read = [r.read_bytes for r in runs if r.read_bytes is not None]
+    if read:
+        out["start_read_bytes"] = int(_median([float(x) for x in read]))
+    keys = sorted({k for r in runs for k in r.layer_server})
+    if keys:
+        out["layer_server"] = {
+            k: round(_median([r.layer_server.get(k, 0.0) for r in runs]), 3)
+            for k in keys
+        }
+    return out
+
+
+def limit_s(warm_s: float, hot_bytes: int, bytes_per_s: float) -> float:
+    """The best a start over this link can do: warm start plus moving what it reads."""
+    return warm_s + hot_bytes / bytes_per_s
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return round(numerator / denominator, 3)
+
+
+def waits_vs_warm(mode: dict[str, float], warm: dict[str, float]) -> dict[str, float]:
+    """How much longer each container-side segment took than warm: the time
+    spent waiting for bytes the warm start had on disk."""
+    return {
+        label: round(mode[label] - warm[label], 3) for label in mode if label in warm
+    }

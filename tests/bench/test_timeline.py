@@ -1,0 +1,74 @@
+"""The startup benchmark's arithmetic: marks to segments, medians, limit, ratios."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from bench import timeline
+from bench.timeline import Run, ScriptOutput, Segment
+
+
+def script(t0: float) -> ScriptOutput:
+    out = ScriptOutput()
+    for i, mark in enumerate(("interpreter", "import_torch", "build_model", "load_shard")):
+        assert not out.feed(f"PHASE {mark} {t0 + 2 + i:.6f}\n")
+    assert out.feed("READY params=1 shard_elements=2 read_bytes=4096\n")
+    return out
+
+
+def test_timeline_closes_one_segment_per_mark_after_the_pull() -> None:
+    t0 = 1000.0
+    segments = timeline.timeline(t0, [Segment("pull: fetch", 0, 1.5)], t0 + 1.5, t0 + 6.5, script(t0))
+    assert [s.label for s in segments] == [
+        "pull: fetch", "container start + interpreter", "import torch",
+        "build model", "load config + shard", timeline.READY_SEGMENT,
+    ]  # fmt: skip
+    assert [round(s.seconds, 3) for s in segments] == [1.5, 0.5, 1.0, 1.0, 1.0, 1.5]
+    # Contiguous: each segment starts where the previous ended.
+    assert all(a.end == b.start for a, b in itertools.pairwise(segments))
+
+
+def test_a_missing_mark_is_an_error_not_a_zero() -> None:
+    out = ScriptOutput()
+    out.feed("PHASE interpreter 1.0")
+    with pytest.raises(ValueError, match="import_torch"):
+        timeline.timeline(0.0, [], 0.5, 3.0, out)
+
+
+def test_ready_line_carries_read_bytes() -> None:
+    assert script(0.0).read_bytes == 4096
+
+
+def test_fetch_end_is_the_last_growth_of_the_counter() -> None:
+    samples = [(0.0, 0), (1.0, 100), (2.0, 250), (3.0, 250), (4.0, 250)]
+    assert timeline.fetch_end(samples, until=4.0) == 2.0
+    # Growth after `until` belongs to the next step.
+    assert timeline.fetch_end([*samples, (5.0, 900)], until=4.5) == 2.0
+
+
+def test_summarise_takes_medians_and_sums_repeated_labels() -> None:
+    runs = [
+        Run("lazy", r, 10 * r, [Segment("a", 0, r), Segment("b", r, 2 * r)], read_bytes=int(r), layer_server={"x": r})
+        for r in (1.0, 3.0, 2.0)
+    ]
+    s = timeline.summarise(runs)
+    assert s["median_s"] == 2.0
+    assert s["bytes_fetched"] == 20
+    assert s["breakdown_s"] == {"a": 2.0, "b": 2.0}
+    assert s["layer_server"] == {"x": 2.0}
+    assert s["start_read_bytes"] == 2
+
+
+def test_limit_and_ratios() -> None:
+    assert timeline.limit_s(4.0, 250_000_000, 125_000_000) == 6.0
+    assert timeline.ratio(3.0, 12.0) == 0.25
+    assert timeline.ratio(None, 12.0) is None
+    assert timeline.ratio(3.0, None) is None
+
+
+def test_waits_vs_warm_only_compares_shared_segments() -> None:
+    lazy = {"pull: index + remote mounts": 1.0, "import torch": 9.0}
+    warm = {"import torch": 3.5}
+    assert timeline.waits_vs_warm(lazy, warm) == {"import torch": 5.5}
