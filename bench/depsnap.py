@@ -322,8 +322,14 @@ def one_run(
     return times
 
 
-ENSURE_KEYS = ("pip", "uv", "depsnap_miss", "depsnap_hit", "depsnap_hit_whole",
-               "depsnap_hit_node_cache")
+ENSURE_KEYS = (
+    "pip",
+    "uv",
+    "depsnap_miss",
+    "depsnap_hit",
+    "depsnap_hit_whole",
+    "depsnap_hit_node_cache",
+)
 
 
 def plot(medians: dict[str, float], limits: dict[str, float], path: Path) -> None:
@@ -340,13 +346,19 @@ def plot(medians: dict[str, float], limits: dict[str, float], path: Path) -> Non
     ax.bar(names, ready, color="#4878a8", label="install / restore")
     bars = ax.bar(names, first_import, bottom=ready, color="#a8c4e0", label="+ first imports")
     ax.bar_label(
-        bars, labels=[f"{r:.2f} s\n+{i:.2f} s" if i else f"{r:.2f} s" for r, i in zip(ready, first_import)]
+        bars,
+        labels=[
+            f"{r:.2f} s\n+{i:.2f} s" if i else f"{r:.2f} s" for r, i in zip(ready, first_import)
+        ],
     )
     ax.axhline(
-        limits["hit"], color="#c44", linestyle="--",
+        limits["hit"],
+        color="#c44",
+        linestyle="--",
         label=f"limit: mount + import bytes / bandwidth {limits['hit']:.2f} s",
     )
     ax.set_yscale("log")
+    ax.set_ylim(bottom=0.1)
     ax.set_ylabel("seconds (median, log scale)")
     ax.set_title("depsnap: heavy ML environment, fresh node per run")
     ax.legend(fontsize=8)
@@ -396,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     medians = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     # Bytes on the link per image byte: the first imports' reads, as fetched.
-    link_import_bytes = medians["import_image_bytes"] * medians["snapshot_bytes"] / medians["image_bytes"]
+    link_import_bytes = (
+        medians["import_image_bytes"] * medians["snapshot_bytes"] / medians["image_bytes"]
+    )
     limit_s = medians["depsnap_hit_node_cache"] + link_import_bytes / bandwidth
     limits = {
         "hit": limit_s,

@@ -17,7 +17,14 @@ def _settings(args: argparse.Namespace) -> DepsnapConfig:
     """The [depsnap] config section with this command's flags applied."""
     cfg = load_config(args)
     settings: DepsnapConfig = cfg.depsnap
-    for name in ("store", "cache_dir", "cache_max_bytes", "socket", "metrics_address"):
+    for name in (
+        "store",
+        "cache_dir",
+        "cache_max_bytes",
+        "socket",
+        "metrics_address",
+        "lazy_min_bytes",
+    ):
         value = getattr(args, name, None)
         if value is not None:
             setattr(settings, name, value)
@@ -85,6 +92,7 @@ def _ensure(args: argparse.Namespace) -> int:
             _node(settings, args.no_daemon),
             settings.store or None,
             args.restore,
+            lazy_min_bytes=settings.lazy_min_bytes if settings.lazy_min_bytes >= 0 else None,
         )
     except _input_errors() as exc:
         return _fail(str(exc))
@@ -212,6 +220,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=("mount", "copy"),
         default="mount",
         help="mount the image with a writable overlay (default), or copy its files",
+    )
+    ensure.add_argument(
+        "--lazy-min-bytes",
+        type=int,
+        help="read images at least this large lazily from the store when mounting "
+        "(default 256 MiB; negative: never)",
     )
     ensure.set_defaults(func=_ensure)
 

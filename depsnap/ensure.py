@@ -14,8 +14,8 @@ from pathlib import Path
 import structlog
 
 from depsnap import installer, snapshot
-from depsnap.client import Image, Node
-from depsnap.format import CorruptSnapshot
+from depsnap.client import Image, LocalNode, Node
+from depsnap.format import CorruptSnapshot, read_manifest
 from depsnap.image import ImageError
 from depsnap.inputs import EnvRequest, for_env
 from depsnap.key import Input, compute
@@ -55,6 +55,30 @@ def fetch(node: Node, key: str, store_uri: str | None) -> Image | None:
             except StoreUnavailable as delete_exc:
                 log.warning("could not delete the corrupt snapshot", reason=str(delete_exc))
     return None
+
+
+def lazy_restore(
+    node: LocalNode, key: str, store_uri: str | None, target: Path, min_bytes: int
+) -> int | None:
+    """Mount the store's snapshot at `target`, read lazily, when the node
+    lacks it and it is large enough to be worth a FUSE server; its image size
+    if so. Anything else (or any failure) leaves the whole-image fetch to run."""
+    if not store_uri or node.cache.lookup(key) is not None:
+        return None
+    try:
+        store = open_store(store_uri)
+        stream = store.get(key)
+        if stream is None:
+            return None
+        with stream:
+            manifest = read_manifest(stream, key)
+        if manifest.image_size < min_bytes:
+            return None
+        snapshot.restore_lazily(store_uri, node.cache, target, key)
+    except (StoreUnavailable, CorruptSnapshot, ImageError, snapshot.RestoreError, OSError) as exc:
+        log.warning("lazy restore failed, fetching the whole image", key=key, reason=str(exc))
+        return None
+    return manifest.image_size
 
 
 def publish(node: Node, captured: snapshot.Captured, store_uri: str | None) -> str:
@@ -102,6 +126,7 @@ def ensure(
     restore_mode: str = "mount",
     environ: Mapping[str, str] | None = None,
     cwd: Path | None = None,
+    lazy_min_bytes: int | None = None,
 ) -> Outcome:
     started = time.monotonic()
     environ = os.environ if environ is None else environ
@@ -118,6 +143,12 @@ def ensure(
         raise snapshot.RestoreError(
             f"{target} exists and holds something else; remove it (bootseer depsnap release) first"
         )
+    if restore_mode == "mount" and lazy_min_bytes is not None and isinstance(node, LocalNode):
+        size = lazy_restore(node, key, store_uri, target, lazy_min_bytes)
+        if size is not None:
+            return done(
+                "hit", f"{size} image bytes from store, read lazily via {node.where}, mounted"
+            )
     found = fetch(node, key, store_uri)
     if found is not None:
         try:

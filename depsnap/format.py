@@ -83,7 +83,7 @@ def _compress(data: bytes, level: int) -> tuple[bytes, Chunk]:
     return frame, Chunk(len(frame), len(data), hashlib.sha256(data).hexdigest())
 
 
-def _bounded_map(
+def bounded_map(
     pool: ThreadPoolExecutor, fn: Callable[..., object], items: Iterator[tuple], depth: int
 ) -> Iterator[object]:
     """pool.map that keeps at most `depth` items in flight (bounded memory), in order."""
@@ -115,7 +115,7 @@ def pack(
 
     manifest.chunks = []
     with ThreadPoolExecutor(workers) as pool:
-        for frame, chunk in _bounded_map(pool, _compress, chunks(), 2 * workers):  # type: ignore[misc]
+        for frame, chunk in bounded_map(pool, _compress, chunks(), 2 * workers):  # type: ignore[misc]
             body.write(frame)
             manifest.chunks.append(chunk)
             if progress:
@@ -124,7 +124,7 @@ def pack(
     return manifest
 
 
-def _read_exactly(stream: BinaryIO, n: int, what: str) -> bytes:
+def read_exactly(stream: BinaryIO, n: int, what: str) -> bytes:
     parts = []
     left = n
     while left:
@@ -138,13 +138,13 @@ def _read_exactly(stream: BinaryIO, n: int, what: str) -> bytes:
 
 def read_manifest(stream: BinaryIO, key: str) -> Manifest:
     """Read and check the header; the stream is left at the first chunk."""
-    magic = _read_exactly(stream, len(MAGIC), "header")
+    magic = read_exactly(stream, len(MAGIC), "header")
     if magic != MAGIC:
         raise CorruptSnapshot("not a depsnap snapshot (bad magic)")
-    (length,) = _LENGTH.unpack(_read_exactly(stream, _LENGTH.size, "header"))
+    (length,) = _LENGTH.unpack(read_exactly(stream, _LENGTH.size, "header"))
     if length > _MAX_MANIFEST:
         raise CorruptSnapshot(f"manifest length {length} is implausible")
-    manifest = Manifest.from_bytes(_read_exactly(stream, length, "manifest"))
+    manifest = Manifest.from_bytes(read_exactly(stream, length, "manifest"))
     if manifest.key != key:
         raise CorruptSnapshot(f"snapshot holds key {manifest.key}, not {key}")
     return manifest
@@ -180,11 +180,11 @@ def unpack(
     def frames() -> Iterator[tuple[bytes, Chunk, int, int, int]]:
         offset = 0
         for index, chunk in enumerate(manifest.chunks):
-            yield _read_exactly(stream, chunk.length, f"chunk {index}"), chunk, index, fd, offset
+            yield read_exactly(stream, chunk.length, f"chunk {index}"), chunk, index, fd, offset
             offset += chunk.size
 
     with ThreadPoolExecutor(workers) as pool:
-        for size in _bounded_map(pool, _restore_chunk, frames(), 2 * workers):
+        for size in bounded_map(pool, _restore_chunk, frames(), 2 * workers):
             if progress:
                 progress(size)  # type: ignore[arg-type]
     if stream.read(1):

@@ -17,5 +17,9 @@ class DepsnapConfig:
     cache_max_bytes: int = 50 << 30
     # The node daemon's unix socket; the CLI uses the daemon when it answers here.
     socket: Path = Path("/run/bootseer/depsnap.sock")
+    # A mount restore from the store reads images at least this large lazily
+    # (through a FUSE server, `depsnap.lazy`) instead of fetching them whole
+    # first; negative: never.
+    lazy_min_bytes: int = 256 << 20
     # host:port for the daemon's Prometheus metrics; empty turns them off.
     metrics_address: str = ""

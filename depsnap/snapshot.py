@@ -15,16 +15,20 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from depsnap import image as image_mod
+from depsnap import lazy
+from depsnap.cache import Cache
 from depsnap.format import DEFAULT_CHUNK_SIZE, Manifest, header, pack
 from depsnap.store import SnapshotStore
 
 RESTORE_MODES = ("mount", "copy")
+_SERVER_EXIT_S = 10.0
 
 
 class RestoreError(Exception):
@@ -66,19 +70,63 @@ def is_empty_or_missing(path: Path) -> bool:
 def release(target: Path) -> None:
     """Remove an environment restored or installed at `target`: unmount what
     depsnap mounted there, then delete the target and its side directory."""
-    side = side_dir(target)
-    if image_mod.is_mount_point(target):
-        image_mod.unmount(target)
-    lower = side / "lower"
-    if lower.exists() and image_mod.is_mount_point(lower):
-        image_mod.unmount(lower)
-    shutil.rmtree(side, ignore_errors=True)
+    _unmount_all(target)
     if target.exists():
         shutil.rmtree(target)
 
 
+def _unmount_all(target: Path) -> None:
+    """Unmount, top down, the overlay, the image and the lazy server the
+    image reads from; then remove the side directory."""
+    side = side_dir(target)
+    for point in (target, side / "lower", side / "remote"):
+        if point.exists() and image_mod.is_mount_point(point):
+            image_mod.unmount(point)
+    _wait_for_server(side)
+    shutil.rmtree(side, ignore_errors=True)
+
+
+def _wait_for_server(side: Path) -> None:
+    """Wait for the lazy server to exit after its unmount, so a released
+    environment leaves no process behind."""
+    try:
+        pid = int((side / "server.pid").read_text())
+    except (FileNotFoundError, ValueError):
+        return
+    deadline = time.monotonic() + _SERVER_EXIT_S
+    while time.monotonic() < deadline:
+        try:
+            # This process started it (a restore that failed half-way): reap it.
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+        time.sleep(0.02)
+
+
+def restore_lazily(store_uri: str, cache: Cache, target: Path, key: str) -> None:
+    """Mount the snapshot of `key` in the store at `target`, read lazily through a FUSE
+    server that fills the node cache behind the reads (`depsnap.lazy`)."""
+
+    def open_image(side: Path) -> Path:
+        remote = side / "remote"
+        remote.mkdir()
+        server = lazy.start(store_uri, key, cache, remote, side / "server.log")
+        (side / "server.pid").write_text(str(server.pid))
+        return remote / lazy.IMAGE_NAME
+
+    _restore_mounted(open_image, target, key)
+
+
 def restore_mounted(image: Path, target: Path, key: str) -> None:
     """Mount `image` at `target` with a writable overlay."""
+    _restore_mounted(lambda side: image, target, key)
+
+
+def _restore_mounted(open_image: Callable[[Path], Path], target: Path, key: str) -> None:
     if not is_empty_or_missing(target):
         raise RestoreError(f"{target} exists and is not empty")
     side = side_dir(target)
@@ -92,17 +140,13 @@ def restore_mounted(image: Path, target: Path, key: str) -> None:
         directory.mkdir(parents=True, exist_ok=True)
     target.mkdir(parents=True, exist_ok=True)
     try:
-        image_mod.mount_image(image, lower)
+        image_mod.mount_image(open_image(side), lower)
         # The overlay's root takes the upper dir's metadata: give it the image root's.
         _copy_dir_metadata(lower, upper)
         image_mod.mount_overlay(lower, upper, work, target)
         _write_key(target, key)
     except BaseException:
-        if image_mod.is_mount_point(target):
-            image_mod.unmount(target)
-        if image_mod.is_mount_point(lower):
-            image_mod.unmount(lower)
-        shutil.rmtree(side, ignore_errors=True)
+        _unmount_all(target)
         if created_target:
             target.rmdir()
         raise

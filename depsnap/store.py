@@ -32,6 +32,8 @@ class SnapshotStore(Protocol):
 
     def get(self, key: str) -> BinaryIO | None: ...
 
+    def object_uri(self, key: str) -> str: ...
+
     def publish(self, key: str, header: bytes, body: BinaryIO) -> None: ...
 
     def delete(self, key: str) -> None: ...
@@ -65,6 +67,12 @@ class Store:
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}{_SUFFIX}"
+
+    def object_uri(self, key: str) -> str:
+        """The snapshot's URI for `hdfs_fuse`'s range reads."""
+        if isinstance(self.fs, pafs.LocalFileSystem):
+            return self.path(key)
+        return f"{self.uri.rstrip('/')}/{key}{_SUFFIX}"
 
     def get(self, key: str) -> BinaryIO | None:
         """A stream of the snapshot for `key`, or None if the store lacks it."""
@@ -155,6 +163,9 @@ class HttpStore:
 
     def _url(self, key: str) -> str:
         return f"{self.uri}/{key}{_SUFFIX}"
+
+    def object_uri(self, key: str) -> str:
+        return self._url(key)
 
     def get(self, key: str) -> BinaryIO | None:
         client = httpx.Client(timeout=httpx.Timeout(60.0, connect=5.0))

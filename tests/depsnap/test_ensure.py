@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.depsnap.conftest import Work
+from tests.harness.procs import wait_until
 from tests.harness.tree import diff, walk
 
 REQUIREMENTS = "dsdemo==1.0\n-c constraints.txt\n"
@@ -63,12 +64,22 @@ def status(result: subprocess.CompletedProcess[str]) -> str:
     return line.split()[1]
 
 
-@pytest.mark.parametrize("installer,restore", [("uv", "mount"), ("pip", "mount"), ("uv", "copy")])
+RESTORE_ARGS = {
+    "mount": ("--restore", "mount", "--lazy-min-bytes", "-1"),
+    "copy": ("--restore", "copy"),
+    # Read from the store through depsnap's FUSE server, whatever the size.
+    "lazy": ("--restore", "mount", "--lazy-min-bytes", "0"),
+}
+
+
+@pytest.mark.parametrize(
+    "installer,restore", [("uv", "mount"), ("pip", "mount"), ("uv", "copy"), ("uv", "lazy")]
+)
 def test_restored_environment_equals_installed(work: Work, installer: str, restore: str) -> None:
     req = work.requirements(REQUIREMENTS)
     work.requirements(CONSTRAINTS, "constraints.txt")
     target = work.root / "env"
-    args = ("--installer", installer, "--restore", restore)
+    args = ("--installer", installer, *RESTORE_ARGS[restore])
 
     first = work.ensure(req, target, *args)
     assert status(first) == "miss", first.stdout
@@ -82,15 +93,19 @@ def test_restored_environment_equals_installed(work: Work, installer: str, resto
     second = work.ensure(req, target, *args)
     assert status(second) == "hit", second.stdout + second.stderr
     assert "from store" in second.stdout
+    assert ("read lazily" in second.stdout) == (restore == "lazy")
 
     assert diff(installed, walk(target), "installed", "restored") == ""
     assert mtimes(target) == installed_mtimes
     before = pycs(target)
     use_environment(target)
     assert pycs(target) == before, "the first import compiled .pyc files"
-    if restore == "mount":
+    if restore in ("mount", "lazy"):
         upper = target.parent / f".{target.name}.depsnap" / "upper"
         assert list(upper.iterdir()) == [], "using the environment wrote into it"
+    if restore == "lazy":
+        # The server fills the node cache behind the reads.
+        wait_until(lambda: any((work.cache / "images").iterdir()), 60, "the node cache to fill")
 
     # And once more from the node cache, on a target released in between.
     work.bootseer("depsnap", "release", "--target", str(target))
