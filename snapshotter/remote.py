@@ -101,11 +101,12 @@ class RemoteLayers:
         ref = parse_reference(labels[IMAGE_REF])
         manifest_digest = labels.get(MANIFEST_DIGEST) or self._resolve(ref)
         name = layer_name(layer_digest)
+        wanted = self._stored(ref, manifest_digest, layer_digest)
         # The layers above this one come next: fetch their indexes meanwhile.
         upcoming = [d for d in labels.get(IMAGE_LAYERS, "").split(",") if d and d != layer_digest]
         for digest in upcoming:
             self._stored(ref, manifest_digest, digest)
-        index = self._stored(ref, manifest_digest, layer_digest).result()
+        index = wanted.result()
         path = self.mountpoint / name
         # Looking the layer up makes the server load it, and proves it serves it.
         if not path.is_dir():
@@ -133,7 +134,17 @@ class RemoteLayers:
             return self.store.load(layer_name(layer_digest))[0]
         index, encoded = self._fetch_index(ref, manifest_digest, layer_digest)
         self.store.add(index, LayerSource(ref=ref.name, digest=layer_digest), encoded)
+        self._preload(layer_digest)
         return index
+
+    def _preload(self, layer_digest: str) -> None:
+        """Have the layer server load the layer now (decode its index, build
+        its tree), while containerd is still preparing the layers below, so
+        its own Prepare finds it ready."""
+        try:
+            (self.mountpoint / layer_name(layer_digest)).is_dir()
+        except OSError as exc:
+            log.debug("layer server could not preload a layer", layer=layer_digest, error=str(exc))
 
     def _resolve(self, ref: Reference) -> str:
         """The manifest digest of a reference, when containerd did not label it

@@ -254,7 +254,7 @@ class LayerFS(pyfuse3.Operations):
             return b""
         length = min(size, node.size - off)
         try:
-            return await layer.reader.read(node.offset + off, node.offset + off + length)
+            return await layer.reader.read(node.offset + off, node.offset + off + length, node.offset + node.size)
         except BlockUnavailable:
             raise pyfuse3.FUSEError(errno.EIO) from None
 

@@ -90,6 +90,9 @@ class LayerReader:
             Origin.BACKGROUND: background_limiter,
         }
         self.readahead = ReadAhead()
+        # Blocks read ahead and not read yet: reaching one reads further ahead.
+        # Blocks the hot-block prefetcher brought in do not: it is ahead already.
+        self.readahead_marks: set[int] = set()
         self.on_access = on_access
         # Prefetched blocks no reader has asked for yet (the prefetch waste).
         self.unread_prefetched: set[int] = set()
@@ -98,20 +101,31 @@ class LayerReader:
         os.close(self.fd)
         self.decoder.close()
 
-    async def read(self, start: int, end: int) -> bytes:
-        """A reader's read: counted, recorded, fetched ahead of any prefetch."""
+    async def read(self, start: int, end: int, file_end: int | None = None) -> bytes:
+        """A reader's read: counted, recorded, fetched ahead of any prefetch.
+        Read-ahead stays within the file, which ends at `file_end`: the next
+        file in the tar is as likely as not to stay unread."""
         end = min(end, self.index.uncompressed_size)
         if end <= start:
             return b""
+        limit = self.index.uncompressed_size if file_end is None else file_end
         numbers = self.index.block_range(start, end)
+        wanting = False
         for n in numbers:
             if n in self.unverified:
                 self._verify(n)
             self._account(n)
+            if n not in self.cached or n in self.readahead_marks:
+                wanting = True
+                self.readahead_marks.discard(n)
+        window = self.readahead.observe(numbers.start, numbers.stop - 1)
         ahead = [
             n
-            for n in self.readahead.observe(numbers.start, numbers.stop - 1)
-            if n < len(self.index.blocks) and n not in self.cached and n not in self.inflight
+            for n in (window if wanting else ())
+            if n < len(self.index.blocks)
+            and self.index.blocks[n].ustart < limit
+            and n not in self.cached
+            and n not in self.inflight
         ]
         if ahead:
             trio.lowlevel.spawn_system_task(self._read_ahead, ahead)
@@ -179,31 +193,33 @@ class LayerReader:
                 raise BlockUnavailable(str(flight.error)) from flight.error
 
     async def _fetch_run(self, run: list[int], origin: Origin) -> None:
+        # Blocks land one by one as they are stored; what is left here when
+        # the attempts run out gets the error.
+        remaining = list(run)
         try:
             for attempt in range(1, VERIFY_ATTEMPTS + 1):
                 try:
-                    await self._fetch_and_store(run, origin)
-                    break
+                    await self._fetch_and_store(remaining, origin)
+                    return
                 except BlockVerificationError as exc:
                     metrics.VERIFY_FAILURES.inc()
                     log.warning(
                         "fetched block failed verification",
-                        layer=self.name, blocks=run, attempt=attempt, error=str(exc),
+                        layer=self.name, blocks=remaining, attempt=attempt, error=str(exc),
                     )  # fmt: skip
                     if attempt == VERIFY_ATTEMPTS:
                         raise
         except Exception as exc:
             metrics.FETCH_ERRORS.inc()
-            log.error("block fetch failed", layer=self.name, blocks=run, error=str(exc))
-            for n in run:
-                self._land(n, None if n in self.cached else exc)
-            return
-        for n in run:
-            self._land(n, None)
+            log.error("block fetch failed", layer=self.name, blocks=remaining, error=str(exc))
+            for n in remaining:
+                self._land(n, exc)
 
     def _land(self, number: int, error: Exception | None) -> None:
         flight = self.inflight.pop(number)
         flight.error = error
+        if error is None and flight.origin == Origin.READAHEAD and not flight.demanded:
+            self.readahead_marks.add(number)
         if error is None and flight.origin == Origin.BACKGROUND:
             block = self.index.blocks[number]
             metrics.BACKGROUND_BYTES.inc(block.cend - block.cstart)
@@ -216,9 +232,12 @@ class LayerReader:
                 metrics.PREFETCH_UNREAD.inc()
         flight.done.set()
 
-    async def _fetch_and_store(self, run: list[int], origin: Origin) -> None:
+    async def _fetch_and_store(self, remaining: list[int], origin: Origin) -> None:
+        """Fetch the contiguous blocks in `remaining` with one Range request,
+        then verify, decode and land them in parallel, removing each from
+        `remaining` as it lands."""
         blocks = self.index.blocks
-        start, end = blocks[run[0]].cstart, blocks[run[-1]].cend
+        start, end = blocks[remaining[0]].cstart, blocks[remaining[-1]].cend
         async with self.limiters[origin]:
             began = time.perf_counter()
             data = await trio.to_thread.run_sync(self.fetch, start, end)
@@ -226,10 +245,25 @@ class LayerReader:
         metrics.FETCHED_BYTES.inc(len(data))
         if len(data) != end - start:
             raise BlockVerificationError(f"range {start}-{end} answered with {len(data)} bytes")
-        for n, compressed in split_run(run, blocks, data).items():
-            await trio.to_thread.run_sync(self._store, n, compressed)
+
+        errors: list[Exception] = []
+
+        async def store(n: int, compressed: bytes) -> None:
+            try:
+                await trio.to_thread.run_sync(self._store, n, compressed)
+            except Exception as exc:
+                errors.append(exc)
+                return
             metrics.FETCHED_BLOCKS.inc()
             self.cached.add(n)
+            remaining.remove(n)
+            self._land(n, None)
+
+        async with trio.open_nursery() as nursery:
+            for n, compressed in split_run(list(remaining), blocks, data).items():
+                nursery.start_soon(store, n, compressed)
+        if errors:
+            raise errors[0]
 
     def _store(self, number: int, compressed: bytes) -> None:
         """Verify and decompress, write to the cache, then record it with its crc."""

@@ -10,6 +10,7 @@ import errno
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import prometheus_client
@@ -50,7 +51,14 @@ def _clear_stale_mount(mountpoint: Path) -> None:
         raise SystemExit(f"{mountpoint} is already mounted: is another layer server running?")
 
 
+# The event loop answers the kernel while worker threads load layer indexes
+# (pure Python, tens of milliseconds for a big layer): hand the GIL over more
+# often than the default 5 ms, or every FUSE request waits out a loader.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def serve(fs: FsConfig, registry: RegistryConfig) -> None:
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     store = LayerStore(fs.store)
     block_index = BlockIndex(fs.store / "blocks.lmdb")
     client = client_from_config(registry)

@@ -51,9 +51,10 @@ class ReadAhead:
     next_block: int = -1
 
     def observe(self, first: int, last: int) -> range:
-        if first == self.next_block:
-            self.window = min(max(2, self.window * 2), self.max_blocks)
-        elif first != self.next_block - 1:
+        if self.next_block - 1 <= first <= self.next_block:
+            if last >= self.next_block:
+                self.window = min(max(2, self.window * 2), self.max_blocks)
+        else:
             self.window = 0
         self.next_block = last + 1
         return range(last + 1, last + 1 + self.window)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import bisect
 import enum
+import functools
 import json
 import posixpath
 import struct
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zstandard
+
+from snapshotter.layer import checkpoints
 
 FORMAT_VERSION = 1
 MAGIC = b"bootseer-layer-index\x00"
@@ -102,6 +105,13 @@ class LayerIndex:
     def __post_init__(self) -> None:
         self._ustarts = [b.ustart for b in self.blocks]
 
+    @functools.cached_property
+    def checkpoints_by_offset(self) -> dict[int, checkpoints.Checkpoint]:
+        """The gzip checkpoints by uncompressed offset (empty for plain tar)."""
+        if self.compression != Compression.GZIP:
+            return {}
+        return {p.uncompressed: p for p in checkpoints.parse(self.checkpoints)}
+
     def block_range(self, ustart: int, uend: int) -> range:
         """Numbers of the blocks holding uncompressed bytes [ustart, uend)."""
         if uend <= ustart:
@@ -163,8 +173,6 @@ class LayerIndex:
         serve bytes from the wrong place."""
         if not self.layer_digest.startswith("sha256:") or len(self.layer_digest) != 71:
             raise IndexFormatError(f"bad layer digest {self.layer_digest!r}")
-        if self.compression == Compression.GZIP and not self.checkpoints:
-            raise IndexFormatError("gzip layer index has no checkpoints")
         expected_u = 0
         for n, b in enumerate(self.blocks):
             if b.ustart != expected_u or b.uend <= b.ustart:
@@ -176,6 +184,13 @@ class LayerIndex:
             expected_u = b.uend
         if expected_u != self.uncompressed_size:
             raise IndexFormatError("blocks do not cover the uncompressed stream")
+        if self.compression == Compression.GZIP:
+            try:
+                points = self.checkpoints_by_offset
+            except checkpoints.CheckpointFormatError as exc:
+                raise IndexFormatError(f"gzip layer index: {exc}") from None
+            if any(b.ustart not in points for b in self.blocks):
+                raise IndexFormatError("a block does not start at a gzip checkpoint")
         for e in self.entries:
             if not _is_normalized(e.name):
                 if ".." in e.name.split("/"):
@@ -201,7 +216,8 @@ def _is_normalized(name: str) -> bool:
         return True
     if name.startswith("/") or name.endswith("/") or "//" in name or "\x00" in name:
         return False
-    return not any(part in (".", "..") for part in name.split("/"))
+    wrapped = f"/{name}/"
+    return "/./" not in wrapped and "/../" not in wrapped
 
 
 def _entry_row(e: Entry) -> list[object]:
@@ -217,8 +233,9 @@ _ENTRY_TYPES = {t.value: t for t in EntryType}
 
 def _row_entry(row: list[Any]) -> Entry:
     name, etype, mode, uid, gid, mtime, size, offset, linkname, major, minor, xattrs = row
-    ints = (mode, uid, gid, size, offset, major, minor)
-    if not all(type(v) is int for v in ints) or etype not in _ENTRY_TYPES:
+    if {type(mode), type(uid), type(gid), type(size), type(offset), type(major), type(minor)} != {int} or (
+        etype not in _ENTRY_TYPES
+    ):
         raise ValueError(f"malformed entry row {row!r}")
     return Entry(
         str(name), _ENTRY_TYPES[etype], mode, uid, gid, float(mtime), size, offset,

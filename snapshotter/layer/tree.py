@@ -76,21 +76,28 @@ def build_tree(entries: list[Entry]) -> LayerTree:
         next_ino += 1
         return next_ino - 1
 
+    # Directories by path: tens of thousands of entries share a few parents.
+    dirs: dict[str, Node] = {"": nodes[ROOT]}
+
     def resolve_dir(path: str) -> Node:
         """The directory at `path`, creating missing parents as containerd does."""
-        node = nodes[ROOT]
-        for part in (p for p in path.split("/") if p):
-            assert node.children is not None
-            child_ino = node.children.get(_encode(part))
-            if child_ino is None:
-                child = Node(new_ino(), stat.S_IFDIR | 0o755, 0, 0, 0.0, children={})
-                nodes[child.ino] = child
-                node.children[_encode(part)] = child.ino
-                node = child
-                continue
+        node = dirs.get(path)
+        if node is not None:
+            return node
+        parent_path, base = posixpath.split(path)
+        parent = resolve_dir(parent_path)
+        assert parent.children is not None
+        name = _encode(base)
+        child_ino = parent.children.get(name)
+        if child_ino is None:
+            node = Node(new_ino(), stat.S_IFDIR | 0o755, 0, 0, 0.0, children={})
+            nodes[node.ino] = node
+            parent.children[name] = node.ino
+        else:
             node = nodes[child_ino]
             if not node.is_dir:
                 raise IndexFormatError(f"{path!r} passes through a non-directory in the layer")
+        dirs[path] = node
         return node
 
     def unlink(parent: Node, name: bytes) -> None:
@@ -98,6 +105,10 @@ def build_tree(entries: list[Entry]) -> LayerTree:
         ino = parent.children.pop(name, None)
         if ino is not None:
             nodes[ino].nlink -= 1
+            if nodes[ino].is_dir:
+                # Paths through the removed directory now lead elsewhere.
+                dirs.clear()
+                dirs[""] = nodes[ROOT]
 
     for entry in entries:
         if entry.name == "":

@@ -112,6 +112,33 @@ def test_reads_fetch_only_the_blocks_they_touch(mount_layers: Callable[..., Moun
     assert hashlib.sha256((m.layer(digest) / "big").read_bytes()).digest() == hashlib.sha256(big).digest()
 
 
+def test_read_ahead_stays_within_the_file(mount_layers: Callable[..., Mounted], tmp_path: Path) -> None:
+    rng = random.Random(11)
+    first, second = rng.randbytes(6 << 20), rng.randbytes(6 << 20)
+    blob = make_layer([(info("first", size=len(first)), first), (info("second", size=len(second)), second)])
+    from snapshotter.fs.layers import LayerStore
+    from snapshotter.layer.index import LayerIndex
+
+    store = LayerStore(tmp_path / "store")
+    digest = add_layer(store, tmp_path, blob, SPAN)
+    index: LayerIndex = store.load(digest.split(":")[1])[0]
+    first_entry = next(e for e in index.entries if e.name == "first")
+    first_end = first_entry.offset + first_entry.size
+    source = Blob(blob)
+    m = mount_layers({digest: source}, tmp_path / "store")
+    with open(m.layer(digest) / "first", "rb", buffering=0) as f:
+        # One read at a time, in order, as the layer server's read-ahead expects.
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        while f.read(128 << 10):
+            pass
+    # Sequential reads grew the read-ahead window; none of it went past the file.
+    assert len(source.fetched) > 1
+    last = max(n for n, b in enumerate(index.blocks) if b.ustart < first_end)
+    assert last + 1 < len(index.blocks)
+    assert max(end for _, end in source.fetched) <= index.blocks[last].cend
+    assert (m.layer(digest) / "second").read_bytes() == second
+
+
 def test_corrupt_bytes_are_never_served_and_cache_survives_restart(
     mount_layers: Callable[..., Mounted], tmp_path: Path
 ) -> None:

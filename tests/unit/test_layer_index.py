@@ -192,3 +192,9 @@ def test_read_ahead_grows_on_sequential_reads_and_stops_on_random_ones() -> None
     assert ra.observe(5, 5) == range(6, 14)  # capped at 8
     assert ra.observe(40, 40) == range(41, 41)  # a jump closes the window
     assert ra.observe(41, 41) == range(42, 44)
+    # Reads that straddle block boundaries (file data rarely starts at one).
+    ra = ReadAhead(max_blocks=8)
+    assert ra.observe(0, 0) == range(1, 1)
+    assert ra.observe(0, 1) == range(2, 4)
+    assert ra.observe(1, 1) == range(2, 4)
+    assert ra.observe(1, 2) == range(3, 7)
