@@ -204,9 +204,11 @@ class HotBlocks:
                 except BlockUnavailable as exc:
                     log.warning("prefetch failed", layer=layer_digest, blocks=run, error=str(exc))
 
+        began = time.monotonic()
         async with trio.open_nursery() as nursery:
             for _ in range(self.settings.prefetch_parallel):
                 nursery.start_soon(worker)
+        log.info("hot blocks prefetched", layer=layer_digest, blocks=len(blocks), seconds=round(time.monotonic() - began, 3))
 
     # -- publishing ---------------------------------------------------------
 
