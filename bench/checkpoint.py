@@ -34,12 +34,14 @@ from bench import report  # noqa: E402
 from hdfs_fuse import mountinfo  # noqa: E402
 from hdfs_fuse.reader import Client  # noqa: E402
 from hdfs_fuse.settings import HdfsFuseConfig, parse_size  # noqa: E402
+from tests.harness.nginx import Nginx, remove, start_nginx  # noqa: E402
 from tests.harness.procs import start_daemon  # noqa: E402
-from tests.hdfs_fuse.nginx import Nginx, remove, start_nginx  # noqa: E402
 
 NAME = "checkpoint"
 STREAMS = (4, 8, 16, 32)
 STRIPE = 8 * 1024 * 1024
+# Both readers read the file front to back in 4 MiB reads into one buffer,
+# as a checkpoint loader does (unbuffered read(2) on the mount).
 CHUNK = 4 * 1024 * 1024
 LINK_PROBE_STREAMS = 16
 TARGET_LIBRARY = 0.9
@@ -185,6 +187,7 @@ def run(size: int, rate: str) -> dict[str, Any]:
             "size_bytes": size,
             "limit_rate": rate,
             "stripe_size": STRIPE,
+            "reader": f"sequential {CHUNK >> 20} MiB reads into one buffer (read(2) on the mount, readinto on the library)",
             "one_stream_mb_s": round(one, 1),
             "link_mb_s": round(link, 1),
             "targets": {"library_vs_limit": TARGET_LIBRARY, "fuse_vs_library": TARGET_FUSE_VS_LIBRARY},

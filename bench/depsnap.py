@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 
 from bench import report
-from tests.harness.procs import Daemon, free_tcp_port, start_daemon, tcp_port_answers
+from tests.harness.nginx import remove, start_nginx
 
 VENV_BIN = Path(sys.executable).parent
 BOOTSEER = VENV_BIN / "bootseer"
@@ -85,34 +85,6 @@ IMPORTS = {"heavy": "import torch, numpy, pandas", "small": "import numpy, panda
 # A ~12 MB wheel from the index, to measure the bandwidth the installers get.
 PROBE_PACKAGE = "pandas"
 
-# Workers run as root: they write PUT bodies into the bench's private dirs.
-NGINX_CONF = """\
-user root;
-worker_processes 1;
-error_log {dir}/error.log;
-pid {dir}/nginx.pid;
-events {{ worker_connections 64; }}
-http {{
-    access_log off;
-    client_body_temp_path {dir}/body;
-    proxy_temp_path {dir}/proxy;
-    fastcgi_temp_path {dir}/fastcgi;
-    uwsgi_temp_path {dir}/uwsgi;
-    scgi_temp_path {dir}/scgi;
-    sendfile on;
-    server {{
-        listen 127.0.0.1:{port};
-        root {store};
-        client_max_body_size 0;
-        location / {{
-            limit_rate {rate};
-            dav_methods PUT DELETE;
-            create_full_put_path on;
-        }}
-    }}
-}}
-"""
-
 
 def index_bandwidth() -> float:
     """Bytes/s of a wheel download from the index (median of three)."""
@@ -136,21 +108,13 @@ def index_bandwidth() -> float:
 
 @contextmanager
 def shaped_store(store: Path, rate: int) -> Iterator[str]:
-    """nginx serving `store` over HTTP on 127.0.0.1 at `rate` bytes/s per connection."""
-    conf_dir = Path(tempfile.mkdtemp(prefix="nginx-", dir=ROOT))
-    port = free_tcp_port()
-    conf = conf_dir / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(dir=conf_dir, port=port, store=store, rate=rate))
-    daemon: Daemon = start_daemon(
-        "nginx",
-        ["nginx", "-p", str(conf_dir), "-c", str(conf), "-g", "daemon off;"],
-        conf_dir / "nginx.out",
-        ready=lambda: tcp_port_answers("127.0.0.1", port),
-    )
+    """nginx serving `store` over HTTP on 127.0.0.1 at `rate` bytes/s per
+    connection, taking PUT and DELETE (depsnap publishes there)."""
+    server = start_nginx(store, limit_rate=rate, access_log=False, autoindex=False, writable=True, parent=ROOT)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield server.url
     finally:
-        daemon.stop()
+        remove(server)
 
 
 def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:

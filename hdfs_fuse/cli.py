@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bootseer.cli import add_common_arguments, load_config
-from hdfs_fuse.settings import HdfsFuseConfig, parse_size
+from hdfs_fuse.settings import HdfsFuseConfig, parse_bool, parse_size
 
 # (config field, value parser, help) for every tunable; each becomes a flag
 # --field-name overriding the [hdfs_fuse] section of the config file.
@@ -31,6 +31,7 @@ _MOUNT_TUNABLES: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("attr_ttl", float, "seconds listings and attributes are cached"),
     ("kernel_readahead", parse_size, "kernel read-ahead of the mount (e.g. 32M; 0 leaves it)"),
     ("metrics_address", str, "host:port to serve Prometheus metrics on; empty: off"),
+    ("page_cache_push", parse_bool, "push arriving stripes into the kernel's page cache (on/off)"),
 )
 
 

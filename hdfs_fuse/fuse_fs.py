@@ -1,9 +1,12 @@
 """The read-only FUSE filesystem over a remote prefix (pyfuse3, trio).
 
 Directory listings and attributes come from the remote store and are kept
-for `attr_ttl`; the kernel is told the same TTL. Every file read is served
-by the striped reader in a worker thread, so the trio loop keeps taking the
-kernel's parallel read-ahead requests while stripes are in flight. Anything
+for `attr_ttl`; the kernel is told the same TTL. A read whose bytes lie in a
+stripe that has arrived is answered on the trio loop with a view of the
+stripe (no copy, no thread); any other read waits for its stripes in a
+worker thread, so the loop keeps taking the kernel's parallel read-ahead
+requests while stripes are in flight. Arriving stripes are also pushed into
+the kernel's page cache (see `pagecache`). Anything
 that would write gets EROFS (the mount is also `ro`, so the kernel mostly
 refuses before asking).
 """
@@ -25,6 +28,7 @@ from prometheus_client import Histogram
 
 from hdfs_fuse import uri as uri_mod
 from hdfs_fuse.backends import Entry
+from hdfs_fuse.pagecache import PageCacheFiller
 from hdfs_fuse.reader import Client, StripedReader
 from hdfs_fuse.striping import ReadAhead
 
@@ -49,6 +53,8 @@ class Handle:
     reader: StripedReader
     pattern: ReadAhead
     inode: int
+    # End of the latest read asked through this handle: where its reader is.
+    reach: int = 0
 
 
 @dataclass
@@ -83,6 +89,11 @@ class RemoteFS(pyfuse3.Operations):
         # page cache across opens only while the remote file is unchanged.
         self._opened_versions: dict[int, str] = {}
         self._lock = threading.Lock()
+        self.filler = PageCacheFiller() if client.config.page_cache_push else None
+        # How far past a reader's latest read the kernel may already hold
+        # pages for reads it has not sent yet: two read-ahead windows, a stripe.
+        config = client.config
+        self._push_margin = 2 * max(config.kernel_readahead, 128 * 1024) + config.stripe_size
         self.initialized = trio.Event()
 
     def init(self) -> None:
@@ -204,21 +215,51 @@ class RemoteFS(pyfuse3.Operations):
         self._handles[fh] = Handle(reader, reader.new_pattern(), inode)
         previous = self._opened_versions.get(inode)
         self._opened_versions[inode] = reader.remote.version
+        if self.filler is not None:
+            reader.on_fetched = self._pusher(inode, reader)
         if reader.size != node.entry.size:
             node.entry = Entry(node.entry.name, False, reader.size, node.entry.mtime, reader.remote.version)
         return pyfuse3.FileInfo(fh=fh, keep_cache=previous == reader.remote.version)
 
-    def _pread(self, handle: Handle, offset: int, size: int) -> bytes:
+    def _pusher(self, inode: int, reader: StripedReader):  # type: ignore[no-untyped-def]
+        filler = self.filler
+        assert filler is not None
+        version = reader.remote.version
+
+        def on_fetched(index: int, start: int, data: bytes | bytearray) -> None:
+            filler.offer(
+                inode, start, data,
+                stored=lambda n: reader.pushed(index, n),
+                wanted=lambda: self._push_wanted(inode, version, start),
+            )
+
+        return on_fetched
+
+    def _push_wanted(self, inode: int, version: str, start: int) -> bool:
+        # Only bytes of the version readers open now (a reader of a newer one
+        # must not find these), and only well beyond where every reader of the
+        # file is: the kernel locks the pages of a read until it is answered,
+        # and a push into them waits for that answer, uninterruptibly, and for
+        # ever if the daemon is being killed.
+        if self._opened_versions.get(inode) != version:
+            return False
+        return all(start >= h.reach + self._push_margin for h in list(self._handles.values()) if h.inode == inode)
+
+    def _pread(self, handle: Handle, offset: int, size: int) -> memoryview:
         buffer = bytearray(max(0, min(size, handle.reader.size - offset)))
         n = handle.reader.readinto(offset, memoryview(buffer), handle.pattern)
-        return bytes(memoryview(buffer)[:n])
+        return memoryview(buffer)[:n]
 
     async def read(self, fh, off, size):  # type: ignore[no-untyped-def]
         handle = self._handles.get(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
         FUSE_READ_BYTES.observe(size)
+        handle.reach = off + size
         try:
+            view = handle.reader.peek(off, size, handle.pattern)
+            if view is not None:
+                return view
             return await trio.to_thread.run_sync(self._pread, handle, off, size)
         except OSError as exc:
             log.error("read failed", uri=handle.reader.uri, offset=off, size=size, error=str(exc))
@@ -241,9 +282,12 @@ class RemoteFS(pyfuse3.Operations):
                 hedges=stats.hedges,
                 readahead_hit_bytes=stats.readahead_hit_bytes,
                 readahead_waste_bytes=stats.readahead_waste_bytes,
+                pushed_bytes=stats.pushed_bytes,
             )
 
     def close_all(self) -> None:
+        if self.filler is not None:
+            self.filler.close()
         for handle in self._handles.values():
             handle.reader.close()
         self._handles.clear()

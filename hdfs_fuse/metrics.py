@@ -32,6 +32,9 @@ READAHEAD_WASTE = Counter(
     "bootseer_hdfs_fuse_readahead_waste_bytes", "Prefetched bytes dropped without being read."
 )
 CACHE_HITS = Counter("bootseer_hdfs_fuse_cache_hit_bytes", "Bytes served from the disk cache.")
+PUSHED = Counter(
+    "bootseer_hdfs_fuse_page_cache_pushed_bytes", "Bytes the mount pushed into the kernel's page cache."
+)
 
 
 @dataclass
@@ -47,6 +50,7 @@ class ReadStats:
     readahead_hit_bytes: int = 0
     readahead_waste_bytes: int = 0
     cache_hit_bytes: int = 0
+    pushed_bytes: int = 0
     started: float = field(default_factory=time.monotonic)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -66,6 +70,11 @@ class ReadStats:
         with self._lock:
             self.cache_hit_bytes += n
         CACHE_HITS.inc(n)
+
+    def add_pushed(self, n: int) -> None:
+        with self._lock:
+            self.pushed_bytes += n
+        PUSHED.inc(n)
 
     def add_retry(self) -> None:
         with self._lock:

@@ -65,6 +65,9 @@ async def _serve(fs: RemoteFS, mountpoint: Path, readahead: int) -> None:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
                     log.info("stopping", signal=signal.Signals(signum).name)
+                    if fs.filler is not None:
+                        # While reads are still answered: a push may be waiting for one.
+                        await trio.to_thread.run_sync(fs.filler.close)
                     pyfuse3.terminate()
                     return
 

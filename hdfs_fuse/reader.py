@@ -139,6 +139,9 @@ class StripedReader:
         self._stripes: OrderedDict[int, _Stripe] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
+        # Told (stripe index, start, bytes) of every stripe that arrives, from
+        # the worker that fetched it; it must not block.
+        self.on_fetched: Callable[[int, int, bytes | bytearray], None] | None = None
 
     @property
     def size(self) -> int:
@@ -163,19 +166,60 @@ class StripedReader:
         self.stats.add_served(end - offset)
         return end - offset
 
+    def peek(self, offset: int, size: int, pattern: ReadAhead) -> memoryview | None:
+        """The bytes at `offset` (`size` of them, fewer at EOF) as a view into
+        a stripe that has already arrived, or None when they are not all in
+        one such stripe (then `readinto` waits for them).
+
+        Costs no copy and no wait, so the FUSE mount answers most reads
+        without leaving its event loop; the view keeps the stripe's bytes
+        alive after the stripe is dropped.
+        """
+        end = min(offset + size, self.size)
+        if end <= offset:
+            return memoryview(b"")
+        index = offset // self.geometry.stripe_size
+        if (end - 1) // self.geometry.stripe_size != index:
+            return None
+        with self._lock:
+            stripe = self._stripes.get(index)
+            if self._closed or stripe is None or stripe.data is None:
+                return None
+            part = range(index, index + 1)
+            sequential = self._plan(part, pattern)[1]
+            stripe.consumed += end - offset
+            data = stripe.data
+            self._evict(part, sequential)
+        self.stats.add_served(end - offset)
+        return memoryview(data)[offset - stripe.start : end - stripe.start]
+
+    def pushed(self, index: int, nbytes: int) -> None:
+        """`nbytes` of stripe `index` went into the kernel's page cache: they
+        count as read, so a sequential reader past the stripe drops it."""
+        with self._lock:
+            stripe = self._stripes.get(index)
+            if stripe is not None:
+                stripe.consumed += nbytes
+        self.stats.add_pushed(nbytes)
+
+    def _plan(self, part: range, pattern: ReadAhead) -> tuple[list[_Stripe], bool]:
+        """Demand `part`, read ahead of it; (its stripes, whether sequential). Under the lock."""
+        if self._closed:
+            raise ValueError("read of a closed file")
+        sequential, ahead = pattern.on_access(part.start, part[-1])
+        if not sequential:
+            self._cancel_prefetches()
+        wanted = [self._demand(index) for index in part]
+        for later in ahead:
+            if later >= self.geometry.count or not self._prefetch(later):
+                break
+        return wanted, sequential
+
     def _read_group(
         self, part: range, offset: int, end: int, buf: memoryview, pattern: ReadAhead
     ) -> None:
         with self._lock:
-            if self._closed:
-                raise ValueError("read of a closed file")
-            sequential, ahead = pattern.on_access(part.start, part[-1])
-            if not sequential:
-                self._cancel_prefetches()
-            wanted = [self._demand(index) for index in part]
-            for later in ahead:
-                if later >= self.geometry.count or not self._prefetch(later):
-                    break
+            wanted, sequential = self._plan(part, pattern)
         for stripe in wanted:
             data = self._wait(stripe)
             lo = max(offset, stripe.start)
@@ -273,14 +317,17 @@ class StripedReader:
             stripe.running -= 1
             if stripe.done.is_set():
                 return
-            if data is not None:
-                stripe.data = data
-                stripe.done.set()
-            elif stripe.running == 0 and error:
-                stripe.error = error
-                self.stats.add_failure()
-                self._drop(stripe)
-                stripe.done.set()
+            if data is None:
+                if stripe.running == 0 and error:
+                    stripe.error = error
+                    self.stats.add_failure()
+                    self._drop(stripe)
+                    stripe.done.set()
+                return
+            stripe.data = data
+            stripe.done.set()
+        if self.on_fetched is not None and not stripe.abandoned.is_set():
+            self.on_fetched(stripe.index, stripe.start, data)
 
     def _where(self, stripe: _Stripe) -> str:
         return f"{self.uri} stripe {stripe.index} (bytes {stripe.start}-{stripe.start + stripe.length - 1})"

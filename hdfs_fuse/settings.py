@@ -39,6 +39,8 @@ class HdfsFuseConfig:
     kernel_readahead: int = 32 * MiB
     # host:port for Prometheus metrics of the mount daemon; empty: off.
     metrics_address: str = ""
+    # The mount pushes arriving stripes into the kernel's page cache.
+    page_cache_push: bool = True
 
     def validate(self) -> None:
         for name in ("stripe_size", "streams", "memory"):
@@ -65,3 +67,13 @@ def parse_size(text: str) -> int:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 512K, 8M, 2G)")
     number, unit = match.group(1), match.group(2).lower()
     return int(float(number) * _UNITS[unit])
+
+
+def parse_bool(text: str) -> bool:
+    """"on"/"off", "true"/"false", "yes"/"no", "1"/"0" (any case) -> bool."""
+    value = text.strip().lower()
+    if value in ("on", "true", "yes", "1"):
+        return True
+    if value in ("off", "false", "no", "0"):
+        return False
+    raise ValueError(f"not a switch: {text!r} (on or off)")

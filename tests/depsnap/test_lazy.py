@@ -21,7 +21,8 @@ from depsnap.cache import Cache
 from depsnap.format import Chunk, CorruptSnapshot, Manifest, header, pack
 from depsnap.store import StoreUnavailable
 from tests.depsnap.conftest import Work
-from tests.harness.procs import Daemon, free_tcp_port, start_daemon, tcp_port_answers, wait_until
+from tests.harness.nginx import Nginx, remove, start_nginx
+from tests.harness.procs import wait_until
 
 KEY = "ab" * 32
 CHUNK = 64 << 10
@@ -170,51 +171,19 @@ def test_corrupt_chunk_is_never_served(work: Work) -> None:
     assert list(cache.tmp.iterdir()) == [] and cache.lookup(KEY) is None
 
 
-NGINX_CONF = """\
-user root;
-worker_processes 1;
-error_log {dir}/error.log;
-pid {dir}/nginx.pid;
-events {{ worker_connections 64; }}
-http {{
-    access_log off;
-    client_body_temp_path {dir}/body;
-    proxy_temp_path {dir}/proxy;
-    fastcgi_temp_path {dir}/fastcgi;
-    uwsgi_temp_path {dir}/uwsgi;
-    scgi_temp_path {dir}/scgi;
-    server {{
-        listen 127.0.0.1:{port};
-        root {store};
-        location / {{ limit_rate {rate}; }}
-    }}
-}}
-"""
-
-
 @pytest.fixture
-def slow_store(work: Work) -> Iterator[tuple[str, Daemon]]:
+def slow_store(work: Work) -> Iterator[tuple[str, Nginx]]:
     """nginx serving the store at 1 MB/s per connection: the fill takes seconds."""
-    conf_dir = work.root / "nginx"
-    conf_dir.mkdir()
-    port = free_tcp_port()
-    conf = conf_dir / "nginx.conf"
     work.store.mkdir(exist_ok=True)
-    conf.write_text(NGINX_CONF.format(dir=conf_dir, port=port, store=work.store, rate=1_000_000))
-    daemon = start_daemon(
-        "nginx",
-        ["nginx", "-p", str(conf_dir), "-c", str(conf), "-g", "daemon off;"],
-        conf_dir / "nginx.out",
-        ready=lambda: tcp_port_answers("127.0.0.1", port),
-    )
+    server = start_nginx(work.store, limit_rate=1_000_000, access_log=False, autoindex=False, parent=work.root)
     try:
-        yield f"http://127.0.0.1:{port}", daemon
+        yield server.url, server
     finally:
-        daemon.stop()
+        remove(server)
 
 
 def test_store_going_away_mid_restore_gives_eio_never_wrong_bytes(
-    work: Work, slow_store: tuple[str, Daemon]
+    work: Work, slow_store: tuple[str, Nginx]
 ) -> None:
     url, nginx = slow_store
     # "3-last" lies megabytes past "1-first": beyond what reading "1-first" fetches.

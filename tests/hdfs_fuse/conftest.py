@@ -17,8 +17,8 @@ import pytest
 
 from hdfs_fuse import mountinfo
 from hdfs_fuse.settings import HdfsFuseConfig
+from tests.harness.nginx import Nginx, remove, start_nginx
 from tests.harness.procs import Daemon, free_tcp_port, start_daemon
-from tests.hdfs_fuse.nginx import Nginx, remove, start_nginx
 
 STRIPE = 256 * 1024
 REPO = Path(__file__).resolve().parents[2]

@@ -17,9 +17,9 @@ import pytest
 import hdfs_fuse
 from hdfs_fuse.copy import copy
 from hdfs_fuse.reader import Client
+from tests.harness.nginx import Nginx
 from tests.harness.procs import wait_until
 from tests.hdfs_fuse.conftest import STRIPE, Tree, small_config
-from tests.hdfs_fuse.nginx import Nginx
 
 
 def test_striped_reads_match_the_files(tree: Tree, nginx: Nginx) -> None:

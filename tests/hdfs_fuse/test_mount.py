@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from hdfs_fuse import mountinfo
+from tests.harness.nginx import Nginx
 from tests.hdfs_fuse.conftest import REPO, STRIPE, Mount, Tree
-from tests.hdfs_fuse.nginx import Nginx
 
 
 def test_listing_attributes_and_cat(tree: Tree, mount: Callable[..., Mount]) -> None:
@@ -184,3 +184,31 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     assert bad.returncode == 1 and "scheme must be one of" in bad.stderr
     missing = subprocess.run([*cli, "umount", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
     assert missing.returncode == 1 and "is not mounted" in missing.stderr
+
+
+def _metric(text: str, name: str) -> float:
+    found = re.search(rf"^{name} ([0-9.e+]+)$", text, re.MULTILINE)
+    assert found is not None, text
+    return float(found[1])
+
+
+@pytest.mark.parametrize("push", ["on", "off"])
+def test_arriving_stripes_are_pushed_into_the_page_cache(tmp_path: Path, mount: Callable[..., Mount],
+                                                          push: str) -> None:
+    data = random.Random(11).randbytes(64 * STRIPE + 5)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "ckpt.bin").write_bytes(data)
+    m = mount(f"file://{tmp_path / 'src'}", "--kernel-readahead", "256K", "--page-cache-push", push)
+    with open(m.path / "ckpt.bin", "rb", buffering=0) as f:
+        got = bytearray()
+        while chunk := f.read(1 << 20):
+            got += chunk
+    assert got == data
+    metrics = httpx.get(f"http://127.0.0.1:{m.metrics_port}/metrics").text
+    pushed = _metric(metrics, "bootseer_hdfs_fuse_page_cache_pushed_bytes_total")
+    asked = _metric(metrics, "bootseer_hdfs_fuse_fuse_read_request_bytes_sum")
+    if push == "on":
+        # The reader found pushed pages without asking the mount for them.
+        assert pushed > 0 and asked < len(data), metrics
+    else:
+        assert pushed == 0 and asked >= len(data), metrics

@@ -1,7 +1,8 @@
-"""A real nginx serving a directory on 127.0.0.1 with Range support, a JSON
-autoindex and a per-connection rate limit; stopped and restarted by PID on the
-same port to play a server failing mid-read. Used by the tests and by
-bench/checkpoint.py."""
+"""A real nginx serving a directory on 127.0.0.1: Range requests, a
+per-connection rate limit, optionally a JSON autoindex and PUT/DELETE. Stopped
+(and restarted on the same port, to play a server failing mid-read) by PID.
+Used by the hdfs_fuse and depsnap tests and by bench/checkpoint.py and
+bench/depsnap.py."""
 
 from __future__ import annotations
 
@@ -34,10 +35,7 @@ http {{
         listen 127.0.0.1:{port};
         root {root};
         location / {{
-            autoindex on;
-            autoindex_format json;
-            limit_rate {limit_rate};
-            max_ranges {max_ranges};
+{directives}
         }}
     }}
 }}
@@ -83,16 +81,31 @@ class Nginx:
 
 def start_nginx(
     root: Path,
-    limit_rate: str = "0",
+    limit_rate: str | int = "0",
     workers: int = 1,
     ranges: bool = True,
     access_log: bool = True,
+    autoindex: bool = True,
+    writable: bool = False,
+    parent: Path | None = None,
 ) -> Nginx:
-    """nginx serving `root`; `limit_rate` per connection ("0": unlimited, "25m")."""
-    state = Path(tempfile.mkdtemp(prefix="bs-nginx-", dir="/tmp"))
+    """nginx serving `root`. `limit_rate` per connection ("0": unlimited,
+    "25m", or bytes/s); `autoindex`: directories as JSON listings;
+    `writable`: PUT and DELETE (with parent directories made on PUT); the
+    config, logs and pid live in a new directory under `parent` (/tmp)."""
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    state = Path(tempfile.mkdtemp(prefix="bs-nginx-", dir=parent or "/tmp"))
     port = free_tcp_port()
-    # As root, workers would drop to `nobody`, who cannot enter pytest's
-    # private temp dirs.
+    directives = [f"limit_rate {limit_rate};"]
+    if autoindex:
+        directives += ["autoindex on;", "autoindex_format json;"]
+    if not ranges:
+        directives.append("max_ranges 0;")
+    if writable:
+        directives += ["dav_methods PUT DELETE;", "create_full_put_path on;", "client_max_body_size 0;"]
+    # As root, workers would drop to `nobody`, who can neither enter pytest's
+    # private temp dirs nor write PUT bodies there.
     user = "user root root;" if os.geteuid() == 0 else ""
     (state / "nginx.conf").write_text(
         _CONF.format(
@@ -101,12 +114,11 @@ def start_nginx(
             state=state,
             port=port,
             root=root.absolute(),
-            limit_rate=limit_rate,
-            max_ranges="" if ranges else "0",
+            directives="\n".join(" " * 12 + d for d in directives),
             access_log=f"{state}/access.log" if access_log else "off",
-        ).replace("max_ranges ;", "")
+        )
     )
-    server = Nginx(root=root, port=port, state=state, limit_rate=limit_rate)
+    server = Nginx(root=root, port=port, state=state, limit_rate=str(limit_rate))
     try:
         server.start()
     except BaseException:
