@@ -38,6 +38,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench import image, link, report, timeline
+from bootseer.config import FsConfig
 from bench.timeline import Run, ScriptOutput, Segment
 from tests.harness.containerd import CTR_BIN, Containerd, start_containerd
 from tests.harness.layerserver import LayerServer, LazyConfig
@@ -90,9 +91,13 @@ class Node:
 
 
 def start_node(plain_http_hosts: list[str], hot_blocks: bool = False) -> Node:
+    # Recording settles as in production: the tests' 1 s idle window would
+    # end it during the start's CPU-bound phases, before the shard is read.
+    defaults = FsConfig()
     config = LazyConfig(
-        Path(tempfile.mkdtemp(prefix="bs-bench-", dir="/tmp")), plain_http_hosts, hot_blocks=hot_blocks
-    )
+        Path(tempfile.mkdtemp(prefix="bs-bench-", dir="/tmp")), plain_http_hosts, hot_blocks=hot_blocks,
+        record_idle_s=defaults.record_idle_s, record_max_s=defaults.record_max_s,
+    )  # fmt: skip
     config.write()
     # Debug logging of every FUSE call would be part of what is measured.
     config.path.write_text(

@@ -61,7 +61,7 @@ class FsConfig:
     # for record_idle_s, or after record_max_s.
     record_idle_s: float = 10.0
     record_max_s: float = 300.0
-    # Parallel Range requests of the hot-block prefetcher (per layer).
+    # Parallel Range requests of the hot-block prefetcher (per image).
     prefetch_parallel: int = 4
     # Fetch every served layer whole in the background, at most
     # background_bandwidth bytes/s, pausing while readers wait on fetches.

@@ -2,17 +2,17 @@
 prefetch the blocks of its hot-block manifest, or, if it has none, record
 the blocks its first run reads and publish them as one.
 
-Prefetching runs alongside the container's own reads: each layer's blocks
-are fetched in manifest order by a few workers, adjacent blocks merged into
-one Range request; a reader's miss does not queue behind them (separate
+Prefetching runs alongside the container's own reads: the blocks of every
+layer prepared so far are fetched in manifest order (first access across the
+whole image) by a few workers, adjacent blocks merged into one Range request; a reader's miss does not queue behind them (separate
 fetch slots), and a block already on its way is waited for, never fetched
 twice (LayerReader.ensure).
 """
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,12 +49,33 @@ class LoadedLayer(Protocol):
 
 
 @dataclass
+class _Prefetch:
+    """One image's prefetch: the runs of every prepared layer in one queue,
+    ordered by their first block's place in the manifest (first access)."""
+
+    manifest: HotManifest
+    expected: set[str]  # the layers the manifest has blocks in
+    queued: set[str] = field(default_factory=set)  # layers checked (and queued, if good)
+    queue: list[tuple[int, str, list[int]]] = field(default_factory=list)
+    layers: dict[str, LoadedLayer] = field(default_factory=dict)
+    arrived: trio.Event = field(default_factory=trio.Event)
+    began: float = field(default_factory=time.monotonic)
+    workers: int = 0
+
+    def wake(self) -> None:
+        """Workers waiting for more runs look again."""
+        self.arrived.set()
+        self.arrived = trio.Event()
+
+
+@dataclass
 class _Image:
     request: requests.ImageRequest
     manifest: HotManifest | None = None
     session: RecordingSession | None = None
     started_layers: set[str] = field(default_factory=set)
     decided: bool = False
+    prefetch: _Prefetch | None = None
 
 
 @dataclass
@@ -174,41 +195,65 @@ class HotBlocks:
     def _start_prefetches(self, image: _Image) -> None:
         if not image.decided or image.manifest is None or self._nursery is None:
             return
+        if image.prefetch is None or image.prefetch.manifest is not image.manifest:
+            image.prefetch = _Prefetch(image.manifest, {b.layer for b in image.manifest.blocks})
+            for _ in range(self.settings.prefetch_parallel):
+                self._nursery.start_soon(self._prefetch_worker, image, image.prefetch)
         for layer in image.request.layers:
             if layer not in image.started_layers:
                 image.started_layers.add(layer)
-                self._nursery.start_soon(self._prefetch_layer, image, image.manifest, layer)
+                self._nursery.start_soon(self._queue_layer, image, image.prefetch, layer)
 
-    async def _prefetch_layer(self, image: _Image, manifest: HotManifest, layer_digest: str) -> None:
-        layer = await self.layer_for(layer_digest)
-        blocks = [b for b in manifest.blocks if b.layer == layer_digest]
-        if layer is None or not blocks:
-            return
-        index = layer.reader.index
+    async def _queue_layer(self, image: _Image, prefetch: _Prefetch, layer_digest: str) -> None:
+        """Check the manifest's blocks of a layer just prepared against its
+        index, then queue them, in manifest order among every layer's."""
         try:
-            hot.check(HotManifest(manifest.image, manifest.runs, blocks), image.request.image, {layer_digest: index})
-        except ManifestError as exc:
-            log.warning("hot-block manifest ignored", image=image.request.image, reason=str(exc))
-            if image.manifest is manifest:
-                # Record this run instead: its manifest replaces the stale one.
-                image.manifest = None
-                self._start_recording(image)
-            return
-        queue = deque(_runs([b.block for b in blocks], index))
+            layer = await self.layer_for(layer_digest)
+            positions = {b.block: i for i, b in enumerate(prefetch.manifest.blocks) if b.layer == layer_digest}
+            if layer is None or not positions:
+                return
+            index = layer.reader.index
+            blocks = [b for b in prefetch.manifest.blocks if b.layer == layer_digest]
+            try:
+                hot.check(HotManifest(prefetch.manifest.image, prefetch.manifest.runs, blocks), image.request.image, {layer_digest: index})
+            except ManifestError as exc:
+                log.warning("hot-block manifest ignored", image=image.request.image, reason=str(exc))
+                if image.manifest is prefetch.manifest:
+                    # Record this run instead: its manifest replaces the stale one.
+                    image.manifest = None
+                    self._start_recording(image)
+                return
+            prefetch.layers[layer_digest] = layer
+            for run in _runs([b.block for b in blocks], index):
+                heapq.heappush(prefetch.queue, (positions[run[0]], layer_digest, run))
+        finally:
+            prefetch.queued.add(layer_digest)
+            prefetch.wake()
 
-        async def worker() -> None:
-            while queue and layer.current and image.manifest is manifest:
-                run = queue.popleft()
-                try:
-                    await layer.reader.ensure(run, Origin.HOT)
-                except BlockUnavailable as exc:
-                    log.warning("prefetch failed", layer=layer_digest, blocks=run, error=str(exc))
-
-        began = time.monotonic()
-        async with trio.open_nursery() as nursery:
-            for _ in range(self.settings.prefetch_parallel):
-                nursery.start_soon(worker)
-        log.info("hot blocks prefetched", layer=layer_digest, blocks=len(blocks), seconds=round(time.monotonic() - began, 3))
+    async def _prefetch_worker(self, image: _Image, prefetch: _Prefetch) -> None:
+        prefetch.workers += 1
+        try:
+            while image.manifest is prefetch.manifest:
+                if prefetch.queue:
+                    _, layer_digest, run = heapq.heappop(prefetch.queue)
+                    layer = prefetch.layers[layer_digest]
+                    if not layer.current:
+                        continue
+                    try:
+                        await layer.reader.ensure(run, Origin.HOT)
+                    except BlockUnavailable as exc:
+                        log.warning("prefetch failed", layer=layer_digest, blocks=run, error=str(exc))
+                    continue
+                if prefetch.expected <= prefetch.queued:
+                    break
+                await prefetch.arrived.wait()
+        finally:
+            prefetch.workers -= 1
+        if prefetch.workers == 0 and image.manifest is prefetch.manifest:
+            log.info(
+                "hot blocks prefetched", image=image.request.image, blocks=len(prefetch.manifest.blocks),
+                seconds=round(time.monotonic() - prefetch.began, 3),
+            )  # fmt: skip
 
     # -- publishing ---------------------------------------------------------
 
