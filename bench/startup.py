@@ -91,12 +91,13 @@ class Node:
 
 
 def start_node(plain_http_hosts: list[str], hot_blocks: bool = False) -> Node:
-    # Recording settles as in production: the tests' 1 s idle window would
-    # end it during the start's CPU-bound phases, before the shard is read.
+    # The product's settings, not the tests': their 1 s idle window would end
+    # a recording during the start's CPU-bound phases, before the shard is read.
     defaults = FsConfig()
     config = LazyConfig(
         Path(tempfile.mkdtemp(prefix="bs-bench-", dir="/tmp")), plain_http_hosts, hot_blocks=hot_blocks,
         record_idle_s=defaults.record_idle_s, record_max_s=defaults.record_max_s,
+        whole_layer_bytes=defaults.whole_layer_bytes,
     )  # fmt: skip
     config.write()
     # Debug logging of every FUSE call would be part of what is measured.

@@ -67,6 +67,10 @@ class FsConfig:
     # background_bandwidth bytes/s, pausing while readers wait on fetches.
     background_fetch: bool = False
     background_bandwidth: int = 50_000_000
+    # Layers at most this big (compressed) are fetched whole as soon as they
+    # are served, with the prefetch slots: a few Range requests instead of a
+    # miss per file (0: off).
+    whole_layer_bytes: int = 32 << 20
 
 
 @dataclass

@@ -23,7 +23,7 @@ from snapshotter.fs.background import BackgroundFetch
 from snapshotter.fs.blockindex import BlockIndex
 from recorder.requests import CONTROL_PREFIX
 from snapshotter.fs.layers import CACHE, LayerSource, LayerStore, layer_name
-from snapshotter.fs.reader import BlockUnavailable, LayerReader, RangeFetcher
+from snapshotter.fs.reader import BlockUnavailable, LayerReader, Origin, RangeFetcher
 from snapshotter.layer.tree import ROOT, LayerTree, Node, build_tree
 
 log = structlog.get_logger("bootseer.fs")
@@ -66,6 +66,7 @@ class LayerFS(pyfuse3.Operations):
         max_parallel_fetches: int = 8,
         prefetch_parallel: int = 4,
         background_bandwidth: int = 0,
+        whole_layer_bytes: int = 0,
     ) -> None:
         super().__init__()
         self.store = store
@@ -80,6 +81,8 @@ class LayerFS(pyfuse3.Operations):
         self.background = (
             BackgroundFetch(background_bandwidth, self.limiter) if background_bandwidth > 0 else None
         )
+        # Layers this small (compressed) are fetched whole once loaded.
+        self.whole_layer_bytes = whole_layer_bytes
         self.load_lock = trio.Lock()
         self.events: BlockEvents | None = None
         # Set once the kernel has initialised the connection.
@@ -110,9 +113,19 @@ class LayerFS(pyfuse3.Operations):
             layer = self.layers_by_name.get(name)
             if layer is None or layer.generation != generation:
                 layer = await trio.to_thread.run_sync(self._load, name)
-                if self.background is not None:
+                if layer.reader.index.compressed_size <= self.whole_layer_bytes:
+                    trio.lowlevel.spawn_system_task(self._fetch_whole, layer)
+                elif self.background is not None:
                     self.background.add(layer)
         return layer
+
+    async def _fetch_whole(self, layer: _Layer) -> None:
+        """A small layer costs a few Range requests whole, against a miss per
+        file read (base images, interpreters, the app itself)."""
+        try:
+            await layer.reader.ensure(range(len(layer.reader.index.blocks)), Origin.READAHEAD)
+        except BlockUnavailable as exc:
+            log.warning("could not fetch a small layer whole; its reads fetch what they need", layer=layer.name, error=str(exc))
 
     def _load(self, name: str) -> _Layer:
         index, source = self.store.load(name)

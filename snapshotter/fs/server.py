@@ -69,7 +69,7 @@ def serve(fs: FsConfig, registry: RegistryConfig) -> None:
 
     ops = LayerFS(
         store, block_index, fetcher_for, fs.max_parallel_fetches, fs.prefetch_parallel,
-        fs.background_bandwidth if fs.background_fetch else 0,
+        fs.background_bandwidth if fs.background_fetch else 0, fs.whole_layer_bytes,
     )  # fmt: skip
     local = LocalManifests(fs.store / "hot.lmdb")
     hot = (

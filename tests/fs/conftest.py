@@ -84,14 +84,16 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
         pytest.skip("FUSE mounts need root here")
     mounted: list[Mounted] = []
 
-    def mount(blobs: dict[str, Blob], store_dir: Path | None = None, background_bandwidth: int = 0) -> Mounted:
+    def mount(
+        blobs: dict[str, Blob], store_dir: Path | None = None, background_bandwidth: int = 0, whole_layer_bytes: int = 0
+    ) -> Mounted:
         store = LayerStore(store_dir or tmp_path / "store")
         block_index = BlockIndex(store.root / "blocks.lmdb")
         mountpoint = tmp_path / f"m{len(mounted)}"
         mountpoint.mkdir()
         ops = LayerFS(
             store, block_index, lambda source: blobs[source.digest].fetch,
-            background_bandwidth=background_bandwidth,
+            background_bandwidth=background_bandwidth, whole_layer_bytes=whole_layer_bytes,
         )  # fmt: skip
         pyfuse3.init(ops, str(mountpoint), ["fsname=bootseer-test", "ro", "default_permissions"])
 

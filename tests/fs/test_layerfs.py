@@ -139,6 +139,26 @@ def test_read_ahead_stays_within_the_file(mount_layers: Callable[..., Mounted], 
     assert (m.layer(digest) / "second").read_bytes() == second
 
 
+def test_small_layers_are_fetched_whole(mount_layers: Callable[..., Mounted], tmp_path: Path) -> None:
+    rng = random.Random(12)
+    small = make_layer([(info(f"f{i}", size=200_000), rng.randbytes(200_000)) for i in range(8)])
+    big = make_layer([(info("big", size=3 << 20), rng.randbytes(3 << 20))])
+    from snapshotter.fs.layers import LayerStore
+
+    store = LayerStore(tmp_path / "store")
+    small_digest, big_digest = add_layer(store, tmp_path, small, SPAN), add_layer(store, tmp_path, big, SPAN)
+    sources = {small_digest: Blob(small), big_digest: Blob(big)}
+    m = mount_layers(sources, tmp_path / "store", whole_layer_bytes=len(small))
+    assert m.layer(small_digest).is_dir() and m.layer(big_digest).is_dir()
+    # Nothing was read; the small layer arrives whole, the big one stays lazy.
+    wait_until(lambda: sources[small_digest].bytes_fetched >= len(small), 10, "the small layer fetched whole")
+    assert sources[big_digest].bytes_fetched == 0
+    fetched = len(sources[small_digest].fetched)
+    assert (m.layer(small_digest) / "f3").stat().st_size == 200_000
+    assert len((m.layer(small_digest) / "f5").read_bytes()) == 200_000
+    assert len(sources[small_digest].fetched) == fetched
+
+
 def test_corrupt_bytes_are_never_served_and_cache_survives_restart(
     mount_layers: Callable[..., Mounted], tmp_path: Path
 ) -> None:

@@ -28,6 +28,8 @@ class LazyConfig:
     record_idle_s: float = 1.0
     record_max_s: float = 60.0
     hot_blocks: bool = True
+    # Off in tests, which measure what reads alone fetch.
+    whole_layer_bytes: int = 0
 
     @property
     def path(self) -> Path:
@@ -75,6 +77,7 @@ layer_gc_grace_s = 0
 record_idle_s = {self.record_idle_s}
 hot_blocks = {str(self.hot_blocks).lower()}
 record_max_s = {self.record_max_s}
+whole_layer_bytes = {self.whole_layer_bytes}
 
 [registry]
 config_path = "{self.certs_dir}"
