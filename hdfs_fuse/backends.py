@@ -1,28 +1,25 @@
 """Thin backends: stat, list and positional reads of one remote store.
 
-Every scheme maps to one of two backends. pyarrow.fs covers hdfs:// (libhdfs
-and a JVM, loaded only when first used), s3://, gs:// and file://, so the
-striping tested on local files runs the exact code path HDFS uses.
-http(s):// is plain Range requests over a pool of keep-alive connections.
-Backends know nothing of stripes; they read what they are asked, or raise
-TransientError / PermanentError.
+Every scheme maps to one of two backends. pyarrow.fs covers hdfs://, s3://,
+gs:// and file:// (`arrow_backend`, imported only when one of them is
+opened); http(s):// is plain Range requests over pools of keep-alive
+connections, here. Backends know nothing of stripes; they read what they are
+asked, or raise TransientError / PermanentError.
 """
 
 from __future__ import annotations
 
 import email.utils
 import errno
-import queue
-import threading
-from collections.abc import Callable
+import http.client
+import urllib.request
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
-import pyarrow
-import pyarrow.fs as pafs
 
 from hdfs_fuse.errors import PermanentError, TransientError
+from hdfs_fuse.rangeconn import RangeConnections
 from hdfs_fuse.settings import HdfsFuseConfig
 from hdfs_fuse.uri import Location
 
@@ -57,130 +54,13 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def _not_found(location: Location) -> FileNotFoundError:
+def not_found(location: Location) -> FileNotFoundError:
     return FileNotFoundError(errno.ENOENT, "no such remote file or directory", str(location))
 
 
-# --- pyarrow.fs: hdfs, s3, gs, file --------------------------------------------------
-
-
-class ArrowBackend:
-    """A pyarrow FileSystem, built by `factory` on first use.
-
-    Building an HadoopFileSystem starts a JVM and connects to the namenode,
-    so it waits until a file is actually wanted; a failure there is
-    permanent and names what is missing.
-    """
-
-    def __init__(self, kind: str, factory: Callable[[], pafs.FileSystem]) -> None:
-        self.kind = kind
-        self.factory = factory
-        self._fs: pafs.FileSystem | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def fs(self) -> pafs.FileSystem:
-        with self._lock:
-            if self._fs is None:
-                try:
-                    self._fs = self.factory()
-                except (OSError, pyarrow.ArrowException) as exc:
-                    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                    hint = (
-                        " (hdfs:// needs libhdfs and a JVM: set JAVA_HOME, HADOOP_HOME "
-                        "and CLASSPATH=$(hadoop classpath --glob))"
-                        if self.kind == "hdfs"
-                        else ""
-                    )
-                    raise PermanentError(f"cannot use {self.kind}: {first_line}{hint}") from exc
-            return self._fs
-
-    def _info(self, info: pafs.FileInfo) -> Entry:
-        mtime_ns = info.mtime_ns or 0
-        is_dir = info.type == pafs.FileType.Directory
-        return Entry(
-            name=info.base_name,
-            is_dir=is_dir,
-            size=0 if is_dir else int(info.size or 0),
-            mtime=mtime_ns / 1e9,
-            version=str(mtime_ns),
-        )
-
-    def stat(self, location: Location) -> Entry:
-        try:
-            info = self.fs.get_file_info(location.arrow_path)
-        except OSError as exc:
-            raise TransientError(f"stat {location}: {exc}") from exc
-        if info.type == pafs.FileType.NotFound:
-            raise _not_found(location)
-        return self._info(info)
-
-    def list(self, location: Location) -> list[Entry]:
-        selector = pafs.FileSelector(location.arrow_path, recursive=False)
-        try:
-            infos = self.fs.get_file_info(selector)
-        except FileNotFoundError:
-            raise _not_found(location) from None
-        except OSError as exc:
-            raise TransientError(f"list {location}: {exc}") from exc
-        return [self._info(i) for i in infos if i.type != pafs.FileType.NotFound]
-
-    def open(self, location: Location) -> ArrowFile:
-        entry = self.stat(location)
-        if entry.is_dir:
-            raise IsADirectoryError(errno.EISDIR, "is a directory", str(location))
-        return ArrowFile(self.fs, location, entry.size, entry.version)
-
-    def close(self) -> None:
-        self._fs = None
-
-
-class ArrowFile:
-    """Positional reads through a pool of pyarrow file handles.
-
-    One handle per concurrent read: an HDFS input stream talks to one
-    datanode over one connection, so parallel stripes need parallel handles.
-    """
-
-    def __init__(self, fs: pafs.FileSystem, location: Location, size: int, version: str) -> None:
-        self.fs = fs
-        self.location = location
-        self.size = size
-        self.version = version
-        self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._closed = False
-
-    def read_at(self, offset: int, length: int) -> bytes | bytearray:
-        try:
-            handle = self._idle.get_nowait()
-        except queue.Empty:
-            handle = None
-        try:
-            if handle is None:
-                handle = self.fs.open_input_file(self.location.arrow_path)
-            data = handle.read_at(length, offset)
-        except FileNotFoundError as exc:
-            raise PermanentError(f"{self.location} disappeared: {exc}") from exc
-        except OSError as exc:
-            # A broken handle is dropped rather than pooled: its connection
-            # to the datanode may be the thing that failed.
-            handle = None
-            raise TransientError(f"read {self.location} at {offset}: {exc}") from exc
-        finally:
-            if handle is not None and not self._closed:
-                self._idle.put(handle)
-        return data
-
-    def close(self) -> None:
-        self._closed = True
-        while True:
-            try:
-                self._idle.get_nowait().close()
-            except queue.Empty:
-                return
-
-
 # --- http(s) -------------------------------------------------------------------------
+
+_REDIRECTS = (301, 302, 303, 307, 308)
 
 
 def _http_mtime(value: str | None) -> float:
@@ -192,22 +72,32 @@ def _http_mtime(value: str | None) -> float:
         return 0.0
 
 
-def _raise_for(response: httpx.Response, location: Location) -> None:
-    status = response.status_code
+def _raise_for(status: int, location: Location) -> None:
     if status == 404:
-        raise _not_found(location)
+        raise not_found(location)
     if status in (408, 429) or status >= 500:
         raise TransientError(f"{location}: HTTP {status}")
     if status >= 400:
         raise PermanentError(f"{location}: HTTP {status}")
 
 
+def _direct_connections(location: Location, config: HdfsFuseConfig) -> RangeConnections | None:
+    """Connections for reading ranges straight into stripes: plain http
+    without a proxy. TLS and proxies stay with httpx, as configured."""
+    if location.scheme != "http" or {"http", "all"} & urllib.request.getproxies().keys():
+        return None
+    return RangeConnections(
+        location.host, location.port or 80, config.io_timeout, keep=config.streams * 2 + 4
+    )
+
+
 class HttpBackend:
     """Range requests against one host. Directory listings are read from
     nginx's JSON autoindex (`autoindex on; autoindex_format json;`)."""
 
-    def __init__(self, scheme: str, authority: str, config: HdfsFuseConfig) -> None:
-        self.base = f"{scheme}://{authority}"
+    def __init__(self, location: Location, config: HdfsFuseConfig) -> None:
+        self.base = f"{location.scheme}://{location.authority}"
+        self.direct = _direct_connections(location, config)
         # Room for every stream plus one straggler re-read each.
         connections = config.streams * 2 + 4
         self.client = httpx.Client(
@@ -232,7 +122,7 @@ class HttpBackend:
 
     def stat(self, location: Location) -> Entry:
         response = self._request("HEAD", self.url(location), location)
-        _raise_for(response, location)
+        _raise_for(response.status_code, location)
         # Servers redirect a directory's URL to its form with a trailing slash.
         is_dir = response.url.path.endswith("/")
         return Entry(
@@ -246,7 +136,7 @@ class HttpBackend:
     def list(self, location: Location) -> list[Entry]:
         url = self.url(location, directory=True)
         response = self._request("GET", url, location)
-        _raise_for(response, location)
+        _raise_for(response.status_code, location)
         try:
             items = response.json()
             return [
@@ -274,36 +164,82 @@ class HttpBackend:
 
     def close(self) -> None:
         self.client.close()
+        if self.direct is not None:
+            self.direct.close()
 
 
 class HttpFile:
+    """Range reads of one file. Each is checked to be exactly the bytes asked
+    for: a 206 whose Content-Range is the range and whose body is its length.
+
+    Ranges are read straight into a new buffer over `backend.direct`; a
+    response that needs more than that (a redirect, a body without a
+    Content-Length) sends this file's reads through httpx from then on.
+    """
+
     def __init__(self, backend: HttpBackend, location: Location, size: int, version: str) -> None:
         self.backend = backend
         self.location = location
         self.url = backend.url(location)
+        self.target = httpx.URL(self.url).raw_path.decode("ascii")
         self.size = size
         self.version = version
+        self.direct = backend.direct
 
-    def read_at(self, offset: int, length: int) -> bytes | bytearray:
-        last = offset + length - 1
+    def _headers(self, offset: int, last: int) -> dict[str, str]:
         headers = {"Range": f"bytes={offset}-{last}", "Accept-Encoding": "identity"}
         if self.version:
             # A changed file answers 200 with all of its new content instead
             # of mixing old and new bytes; rejected below.
             headers["If-Range"] = self.version
+        return headers
+
+    def _check(self, status: int, content_range: str, offset: int, last: int) -> None:
+        if status == 200:
+            raise PermanentError(
+                f"{self.url} changed since it was opened, or the server ignores Range requests"
+            )
+        _raise_for(status, self.location)
+        expected = f"bytes {offset}-{last}/{self.size}"
+        if status != 206 or content_range != expected:
+            raise PermanentError(
+                f"{self.url}: asked for {expected}, got HTTP {status} {content_range!r}"
+            )
+
+    def _short(self, offset: int, last: int, filled: int) -> TransientError:
+        return TransientError(f"GET {self.url} [{offset}-{last}]: short body {filled}/{last - offset + 1}")
+
+    def read_at(self, offset: int, length: int) -> bytes | bytearray:
+        if self.direct is not None:
+            data = self._read_direct(self.direct, offset, length)
+            if data is not None:
+                return data
+            self.direct = None
+        return self._read_httpx(offset, length)
+
+    def _read_direct(self, direct: RangeConnections, offset: int, length: int) -> bytearray | None:
+        """The range, or None when the response is one for httpx."""
+        last = offset + length - 1
         try:
-            with self.backend.client.stream("GET", self.url, headers=headers) as response:
-                if response.status_code == 200:
-                    raise PermanentError(
-                        f"{self.url} changed since it was opened, or the server ignores Range requests"
-                    )
-                _raise_for(response, self.location)
-                expected = f"bytes {offset}-{last}/{self.size}"
-                got = response.headers.get("content-range", "")
-                if response.status_code != 206 or got != expected:
-                    raise PermanentError(
-                        f"{self.url}: asked for {expected}, got HTTP {response.status_code} {got!r}"
-                    )
+            with direct.get(self.target, self._headers(offset, last)) as response:
+                if response.status in _REDIRECTS or (response.status == 206 and response.length is None):
+                    return None
+                self._check(response.status, response.getheader("content-range", ""), offset, last)
+                if response.length is not None and response.length > length:
+                    raise PermanentError(f"{self.url}: more bytes than the range asked for")
+                buffer = bytearray(length)
+                filled = response.readinto(buffer)
+        except (OSError, http.client.HTTPException) as exc:
+            raise TransientError(f"GET {self.url} [{offset}-{last}]: {type(exc).__name__}: {exc}") from exc
+        if filled != length:
+            raise self._short(offset, last, filled)
+        return buffer
+
+    def _read_httpx(self, offset: int, length: int) -> bytearray:
+        last = offset + length - 1
+        try:
+            with self.backend.client.stream("GET", self.url, headers=self._headers(offset, last)) as response:
+                self._check(response.status_code, response.headers.get("content-range", ""), offset, last)
                 buffer = bytearray(length)
                 view = memoryview(buffer)
                 filled = 0
@@ -316,7 +252,7 @@ class HttpFile:
         except httpx.TransportError as exc:
             raise TransientError(f"GET {self.url} [{offset}-{last}]: {type(exc).__name__}: {exc}") from exc
         if filled != length:
-            raise TransientError(f"GET {self.url} [{offset}-{last}]: short body {filled}/{length}")
+            raise self._short(offset, last, filled)
         return buffer
 
     def close(self) -> None:
@@ -329,14 +265,8 @@ class HttpFile:
 def backend_for(location: Location, config: HdfsFuseConfig) -> Backend:
     """The backend serving `location`'s store; nothing is contacted yet."""
     if location.scheme in ("http", "https"):
-        return HttpBackend(location.scheme, location.authority, config)
-    if location.scheme == "file":
-        return ArrowBackend("file", pafs.LocalFileSystem)
-    if location.scheme == "hdfs":
-        host, port, user = location.host, location.port, location.user or None
-        return ArrowBackend("hdfs", lambda: pafs.HadoopFileSystem(host, port, user=user))
-    if location.scheme == "s3":
-        return ArrowBackend("s3", pafs.S3FileSystem)
-    if location.scheme == "gs":
-        return ArrowBackend("gs", pafs.GcsFileSystem)
-    raise ValueError(f"no backend for {location.scheme}://")
+        return HttpBackend(location, config)
+    # pyarrow (and numpy) load only when a file needs them.
+    from hdfs_fuse import arrow_backend
+
+    return arrow_backend.backend(location)

@@ -4,12 +4,13 @@ rate limit, a JSON directory listing, and a server that goes away mid-read."""
 from __future__ import annotations
 
 import errno
+import http.server
 import os
 import random
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,45 @@ def test_listing_and_copy_through_nginx_autoindex(tree: Tree, nginx: Nginx, tmp_
     assert report.files == len(tree.files)
     for name, data in tree.files.items():
         assert (tmp_path / "out" / name).read_bytes() == data
+
+
+@pytest.fixture
+def redirector(nginx: Nginx) -> Iterator[str]:
+    """A server on 127.0.0.1 answering every HEAD and GET with a 302 to the
+    same path on `nginx` (as object stores and WebHDFS send readers on)."""
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:
+            self.send_response(302)
+            self.send_header("Location", nginx.url + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_HEAD
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_redirected_range_reads_follow_the_redirect(tree: Tree, nginx: Nginx, redirector: str) -> None:
+    data = tree.files["big.bin"]
+    before = nginx.access_log.read_text().count("\n")
+    with Client(small_config()) as client, client.open(f"{redirector}/big.bin") as f:
+        assert f.read() == data
+        assert f.pread(STRIPE + 10, 3 * STRIPE - 5) == data[3 * STRIPE - 5 : 4 * STRIPE + 5]
+        assert f.stats.retries == 0
+    lines = nginx.access_log.read_text().splitlines()[before:]
+    assert sum('"GET /big.bin' in line and '" 206 ' in line for line in lines) >= 25
 
 
 def test_missing_file_is_file_not_found(nginx: Nginx) -> None:

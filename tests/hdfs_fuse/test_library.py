@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import io
 import random
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -163,6 +165,18 @@ def test_missing_file_is_a_clear_error(tree: Tree, client: Client) -> None:
 def test_module_level_open(tree: Tree) -> None:
     with hdfs_fuse.open(uri(tree, "small.txt"), small_config()) as f:
         assert f.read() == tree.files["small.txt"]
+
+
+def test_config_import_leaves_the_reader_unloaded() -> None:
+    """Every CLI start imports bootseer.config, which holds `[hdfs_fuse]`
+    settings: that must not load the reader, httpx, pyarrow or numpy."""
+    heavy = ("hdfs_fuse.reader", "httpx", "pyarrow", "numpy")
+    probe = f"import sys, bootseer.config; print([m for m in {heavy!r} if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+    probe = "import hdfs_fuse; print(hdfs_fuse.open, hdfs_fuse.RemoteReadError.__mro__[1].__name__)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert "function open" in result.stdout and "OSError" in result.stdout
 
 
 def test_file_truncated_mid_read_is_eio_not_garbage(tmp_path: Path) -> None:
