@@ -308,9 +308,10 @@ def timed_run(setup: Setup, mode: Mode, number: int) -> Run:
     )
 
 
-def _record_hot_blocks(setup: Setup) -> None:
+def _record_hot_blocks(setup: Setup) -> int:
     """The image's first run anywhere: a fresh node records the blocks the
-    start reads and publishes the manifest the `prefetch` runs then use."""
+    start reads and publishes the manifest the `prefetch` runs then use.
+    Returns the manifest's bytes (compressed, as fetched)."""
     node = start_node([setup.proxy.host], hot_blocks=True)
     try:
         ctx = RunContext(setup, node, RxSampler(setup.netns), time.time(), setup.ref)
@@ -323,6 +324,10 @@ def _record_hot_blocks(setup: Setup) -> None:
                 raise RuntimeError("the recording run published no hot-block manifest")
             time.sleep(0.5)
         log(f"hot-block manifest published: {shown.stdout.splitlines()[0]}")
+        found = re.search(r"hot blocks, (\d+) bytes", shown.stdout)
+        if found is None:
+            raise RuntimeError(f"`bootseer record show` printed no manifest size:\n{shown.stdout}")
+        return int(found.group(1))
     finally:
         node.teardown()
 
@@ -374,9 +379,10 @@ def run_link(
     )
     setup = Setup(netns, proxy, warm, direct_ref)
     by_mode: dict[str, list[Run]] = {m.name: [] for m in modes}
+    manifest_bytes = None
     try:
         if any(m.hot_blocks for m in modes):
-            _record_hot_blocks(setup)
+            manifest_bytes = _record_hot_blocks(setup)
         for i in range(runs):
             # Rotate the order each round, so drift in the machine's load hits every mode alike.
             for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
@@ -394,7 +400,7 @@ def run_link(
         name: sorted(rs, key=lambda r: r.ready_s)[len(rs) // 2]
         for name, rs in by_mode.items()
     }
-    return _link_results(spec, shaper, calibration, summary), representative
+    return _link_results(spec, shaper, calibration, summary, manifest_bytes), representative
 
 
 def _link_results(
@@ -402,11 +408,12 @@ def _link_results(
     shaper: str,
     calibration: dict[str, object],
     summary: dict[str, dict],
+    manifest_bytes: int | None = None,
 ) -> dict[str, object]:
     def median(mode: str) -> float | None:
         return summary[mode]["median_s"] if mode in summary else None
 
-    hot_bytes, hot_source = _hot_bytes(summary)
+    hot_bytes, hot_source = _hot_bytes(summary, manifest_bytes)
     limit = None
     if "warm" in summary and hot_bytes:
         limit = round(
@@ -445,11 +452,14 @@ def _link_results(
     }  # fmt: skip
 
 
-def _hot_bytes(summary: dict[str, dict]) -> tuple[int | None, str]:
-    """What the start needs over the link. The layer server fetches exactly the
-    compressed blocks the start's reads touch, so the lazy run's fetched bytes
-    are it; uncompressed read counts would overstate what crosses the wire.
-    Without a lazy run, the warm start's disk reads stand in (an upper bound)."""
+def _hot_bytes(summary: dict[str, dict], manifest_bytes: int | None) -> tuple[int | None, str]:
+    """What the start needs over the link: the compressed blocks its reads
+    touch, which is what the recording run's hot-block manifest holds. Without
+    one, the lazy run's fetched bytes (which include read-ahead and small
+    layers fetched whole: an overstatement), else the warm start's disk reads
+    (uncompressed: an upper bound)."""
+    if manifest_bytes:
+        return manifest_bytes, "compressed bytes of the blocks the recording run read (its hot-block manifest)"
     lazy = (
         summary.get("lazy", {})
         .get("layer_server", {})
@@ -458,7 +468,7 @@ def _hot_bytes(summary: dict[str, dict]) -> tuple[int | None, str]:
     if lazy:
         return (
             int(lazy),
-            "compressed bytes of the blocks the lazy start read, as the layer server fetched them",
+            "compressed bytes the lazy start fetched (read-ahead and whole small layers included)",
         )
     warm = summary.get("warm", {}).get("start_read_bytes")
     return (
