@@ -150,14 +150,20 @@ def read_manifest(stream: BinaryIO, key: str) -> Manifest:
     return manifest
 
 
-def _restore_chunk(frame: bytes, chunk: Chunk, index: int, fd: int, offset: int) -> int:
+def chunk_data(frame: bytes, chunk: Chunk, index: int) -> bytes:
+    """The image bytes of chunk `index` from its stored frame; CorruptSnapshot
+    unless they match the chunk's digest."""
     try:
         data = zstandard.ZstdDecompressor().decompress(frame, max_output_size=chunk.size)
     except zstandard.ZstdError as exc:
         raise CorruptSnapshot(f"chunk {index} does not decompress: {exc}") from None
     if len(data) != chunk.size or hashlib.sha256(data).hexdigest() != chunk.sha256:
         raise CorruptSnapshot(f"chunk {index} does not match its digest")
-    os.pwrite(fd, data, offset)
+    return data
+
+
+def _restore_chunk(frame: bytes, chunk: Chunk, index: int, fd: int, offset: int) -> int:
+    os.pwrite(fd, chunk_data(frame, chunk, index), offset)
     return chunk.size
 
 
