@@ -30,14 +30,14 @@ import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from bench import report  # noqa: E402
-from hdfs_fuse import mountinfo  # noqa: E402
-from hdfs_fuse.reader import Client  # noqa: E402
-from hdfs_fuse.settings import HdfsFuseConfig, parse_size  # noqa: E402
-from tests.harness.nginx import Nginx, remove, start_nginx  # noqa: E402
-from tests.harness.procs import start_daemon  # noqa: E402
+from bench import report
+from hdfs_fuse import mountinfo
+from hdfs_fuse.reader import Client
+from hdfs_fuse.settings import HdfsFuseConfig, parse_size
+from tests.harness.nginx import Nginx, remove, start_nginx
+from tests.harness.procs import start_daemon
 
 NAME = "checkpoint"
 STREAMS = (4, 8, 16, 32)
@@ -127,13 +127,33 @@ def _fuse(base_url: str, name: str, streams: int, workdir: Path) -> tuple[int, f
     mountpoint.mkdir()
     cfg = _config(streams)
     argv = [
-        sys.executable, "-m", "bootseer.cli", "hdfs-fuse", "mount", "--foreground",
-        "--log-format", "json", "--stripe-size", str(cfg.stripe_size), "--streams", str(streams),
-        "--readahead", str(cfg.readahead), "--memory", str(cfg.memory), "--io-timeout", "60",
-        "--stripe-timeout", "30", base_url + "/", str(mountpoint),
+        sys.executable,
+        "-m",
+        "bootseer.cli",
+        "hdfs-fuse",
+        "mount",
+        "--foreground",
+        "--log-format",
+        "json",
+        "--stripe-size",
+        str(cfg.stripe_size),
+        "--streams",
+        str(streams),
+        "--readahead",
+        str(cfg.readahead),
+        "--memory",
+        str(cfg.memory),
+        "--io-timeout",
+        "60",
+        "--stripe-timeout",
+        "30",
+        base_url + "/",
+        str(mountpoint),
     ]
     daemon = start_daemon(
-        "hdfs-fuse", argv, workdir / f"mnt-{streams}.log",
+        "hdfs-fuse",
+        argv,
+        workdir / f"mnt-{streams}.log",
         ready=lambda: mountinfo.current(mountpoint) is not None,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
@@ -177,24 +197,32 @@ def run(size: int, rate: str) -> dict[str, Any]:
         servers.append(unlimited)
         url = f"{limited.url}/model.bin"
 
-        link = _timed(f"link ({LINK_PROBE_STREAMS} ranges, no limit)", size, _parallel_ranges,
-                      f"{unlimited.url}/model.bin", size, LINK_PROBE_STREAMS)
+        link = _timed(
+            f"link ({LINK_PROBE_STREAMS} ranges, no limit)",
+            size,
+            _parallel_ranges,
+            f"{unlimited.url}/model.bin",
+            size,
+            LINK_PROBE_STREAMS,
+        )
         one = _timed("one stream", size, _one_stream, url)
         rows = []
         for streams in STREAMS:
             lib = _timed(f"library, {streams} streams", size, _library, url, streams)
             fuse = _timed(f"fuse, {streams} streams", size, _fuse, limited.url, "model.bin", streams, workdir)
             limit = min(streams * one, link)
-            rows.append({
-                "streams": streams,
-                "library_mb_s": round(lib, 1),
-                "fuse_mb_s": round(fuse, 1),
-                "limit_mb_s": round(limit, 1),
-                "library_vs_limit": round(lib / limit, 3),
-                "fuse_vs_limit": round(fuse / limit, 3),
-                "fuse_vs_library": round(fuse / lib, 3),
-                "library_vs_one_stream": round(lib / one, 2),
-            })
+            rows.append(
+                {
+                    "streams": streams,
+                    "library_mb_s": round(lib, 1),
+                    "fuse_mb_s": round(fuse, 1),
+                    "limit_mb_s": round(limit, 1),
+                    "library_vs_limit": round(lib / limit, 3),
+                    "fuse_vs_limit": round(fuse / limit, 3),
+                    "fuse_vs_library": round(fuse / lib, 3),
+                    "library_vs_one_stream": round(lib / one, 2),
+                }
+            )
         return {
             "size_bytes": size,
             "limit_rate": rate,
@@ -242,8 +270,10 @@ def main() -> None:
     print(f"\none stream {results['one_stream_mb_s']} MB/s, link {results['link_mb_s']} MB/s")
     print(f"{'streams':>7} {'library':>9} {'fuse':>9} {'limit':>9} {'lib/limit':>9} {'fuse/lib':>9}")
     for r in results["runs"]:
-        print(f"{r['streams']:>7} {r['library_mb_s']:>9} {r['fuse_mb_s']:>9} {r['limit_mb_s']:>9} "
-              f"{r['library_vs_limit']:>9} {r['fuse_vs_library']:>9}")
+        print(
+            f"{r['streams']:>7} {r['library_mb_s']:>9} {r['fuse_mb_s']:>9} {r['limit_mb_s']:>9} "
+            f"{r['library_vs_limit']:>9} {r['fuse_vs_library']:>9}"
+        )
     print(f"wrote {path} and {plot}")
 
 

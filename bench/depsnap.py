@@ -91,11 +91,7 @@ def index_bandwidth() -> float:
     with httpx.Client(timeout=60.0, follow_redirects=True) as client:
         listing = f"https://pypi.org/pypi/{PROBE_PACKAGE}/json"
         files = client.get(listing).json()["urls"]
-        wheel = next(
-            f
-            for f in files
-            if "cp311-cp311-manylinux" in f["filename"] and "x86_64" in f["filename"]
-        )
+        wheel = next(f for f in files if "cp311-cp311-manylinux" in f["filename"] and "x86_64" in f["filename"])
         # The index may hand out relative links.
         url = httpx.URL(listing).join(wheel["url"])
         speeds = []
@@ -122,9 +118,7 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
     result = subprocess.run(argv, env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - started
     if result.returncode != 0:
-        raise SystemExit(
-            f"`{' '.join(argv)}` failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
-        )
+        raise SystemExit(f"`{' '.join(argv)}` failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return elapsed, result.stdout
 
 
@@ -171,9 +165,7 @@ def wait_for_file(directory: Path, timeout: float) -> Path:
     raise SystemExit(f"nothing appeared in {directory} within {timeout} s")
 
 
-def one_run(
-    req: Path, imports: str, store_url: str, store_dir: Path, with_pip: bool
-) -> dict[str, float]:
+def one_run(req: Path, imports: str, store_url: str, store_dir: Path, with_pip: bool) -> dict[str, float]:
     run = Path(tempfile.mkdtemp(prefix="run-", dir=ROOT))
     env = dict(os.environ)
     env["PIP_CACHE_DIR"] = str(run / "pip-cache")
@@ -311,9 +303,7 @@ def plot(medians: dict[str, float], limits: dict[str, float], path: Path) -> Non
     bars = ax.bar(names, first_import, bottom=ready, color="#a8c4e0", label="+ first imports")
     ax.bar_label(
         bars,
-        labels=[
-            f"{r:.2f} s\n+{i:.2f} s" if i else f"{r:.2f} s" for r, i in zip(ready, first_import)
-        ],
+        labels=[f"{r:.2f} s\n+{i:.2f} s" if i else f"{r:.2f} s" for r, i in zip(ready, first_import)],
     )
     ax.axhline(
         limits["hit"],
@@ -331,15 +321,11 @@ def plot(medians: dict[str, float], limits: dict[str, float], path: Path) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="fresh-node runs (default 3)")
     parser.add_argument("--small", action="store_true", help="no torch: a quick smoke run")
     parser.add_argument("--skip-pip", action="store_true", help="leave out pip (its ~50 s per run)")
-    parser.add_argument(
-        "--bandwidth", type=float, help="store link in MB/s (default: measured to the index)"
-    )
+    parser.add_argument("--bandwidth", type=float, help="store link in MB/s (default: measured to the index)")
     args = parser.parse_args(argv)
 
     shutil.rmtree(ROOT, ignore_errors=True)
@@ -359,9 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"run {n + 1}/{args.runs}: "
                     + ", ".join(
-                        f"{k} {v:.2f} s"
-                        for k, v in runs[-1].items()
-                        if not k.endswith("bytes") and k != "lazy"
+                        f"{k} {v:.2f} s" for k, v in runs[-1].items() if not k.endswith("bytes") and k != "lazy"
                     ),
                     flush=True,
                 )
@@ -372,9 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     medians = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     # Bytes on the link per image byte: the first imports' reads, as fetched.
-    link_import_bytes = (
-        medians["import_image_bytes"] * medians["snapshot_bytes"] / medians["image_bytes"]
-    )
+    link_import_bytes = medians["import_image_bytes"] * medians["snapshot_bytes"] / medians["image_bytes"]
     limit_s = medians["depsnap_hit_node_cache"] + link_import_bytes / bandwidth
     limits = {
         "hit": limit_s,

@@ -46,11 +46,7 @@ def _write_weights(path: Path, size: int) -> None:
         left = size
         while left:
             n = min(left, 64 << 20)
-            f.write(
-                (rng.standard_normal(n // 2, dtype=np.float32))
-                .astype(np.float16)
-                .tobytes()[:n]
-            )
+            f.write((rng.standard_normal(n // 2, dtype=np.float32)).astype(np.float16).tobytes()[:n])
             left -= n
 
 
@@ -87,12 +83,21 @@ def run(size: int, runs: int) -> dict[str, object]:
         config = str(node.layers.config.path)
         for argv in (
             [str(BOOTSEER_BIN), "index", "--config", config, "--quiet", ref],
-            [str(BOOTSEER_BIN), "pull", "--config", config, "--address", str(node.containerd.address),
-             "--namespace", node.containerd.namespace, "--snapshotter", "bootseer", ref],
-        ):  # fmt: skip
-            subprocess.run(
-                argv, check=True, capture_output=True, text=True, timeout=600
-            )
+            [
+                str(BOOTSEER_BIN),
+                "pull",
+                "--config",
+                config,
+                "--address",
+                str(node.containerd.address),
+                "--namespace",
+                node.containerd.namespace,
+                "--snapshotter",
+                "bootseer",
+                ref,
+            ],
+        ):
+            subprocess.run(argv, check=True, capture_output=True, text=True, timeout=600)
         [through_fuse] = list(node.layers.config.mountpoint.glob(f"*/{FILE_PATH}"))
         log(f"filling the layer cache: reading {through_fuse} once")
         _read_all(through_fuse)
@@ -145,9 +150,7 @@ def _plot(rates: dict[str, list[float]]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()

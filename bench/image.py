@@ -95,9 +95,7 @@ class BuiltImage:
             "compressed_bytes": self.compressed_bytes,
             "layers": [
                 {"name": n, "digest": d, "compressed_bytes": s}
-                for n, d, s in zip(
-                    self.layer_names, self.layout.layer_digests, self.layout.layer_sizes
-                )
+                for n, d, s in zip(self.layer_names, self.layout.layer_digests, self.layout.layer_sizes)
             ],
             "spec": asdict(self.spec),
         }
@@ -135,19 +133,9 @@ def _shared_libraries(binaries: list[Path]) -> set[str]:
         ).stdout
         for line in out.splitlines():
             parts = line.split()
-            path = (
-                parts[2]
-                if "=>" in parts and len(parts) > 2
-                else parts[0]
-                if parts
-                else ""
-            )
+            path = parts[2] if "=>" in parts and len(parts) > 2 else parts[0] if parts else ""
             # ldd heads each file's list with "FILE:"; libraries are absolute paths.
-            if (
-                path.startswith("/")
-                and not path.endswith(":")
-                and not path.startswith(str(CACHE_DIR))
-            ):
+            if path.startswith("/") and not path.endswith(":") and not path.startswith(str(CACHE_DIR)):
                 libs.add(path)
     return libs
 
@@ -231,10 +219,7 @@ def _stage_tail(root: Path, spec: ImageSpec) -> None:
 def _stage_weights(root: Path, spec: ImageSpec) -> None:
     model_dir = root / "models/demo"
     model_dir.mkdir(parents=True)
-    shards = [
-        f"model-{i + 1:05d}-of-{spec.shards:05d}.safetensors"
-        for i in range(spec.shards)
-    ]
+    shards = [f"model-{i + 1:05d}-of-{spec.shards:05d}.safetensors" for i in range(spec.shards)]
     hidden = 1024
     config = {
         "hidden_size": hidden,
@@ -252,14 +237,12 @@ def _stage_weights(root: Path, spec: ImageSpec) -> None:
         chunks, offset = [], 0
         for t in range(0, rows, per_tensor):
             n = min(per_tensor, rows - t)
-            data = (
-                (rng.standard_normal((n, hidden), dtype=np.float32) * 0.02)
-                .astype(np.float16)
-                .tobytes()
-            )
+            data = (rng.standard_normal((n, hidden), dtype=np.float32) * 0.02).astype(np.float16).tobytes()
             header[f"layers.{t // per_tensor}.weight"] = {
-                "dtype": "F16", "shape": [n, hidden], "data_offsets": [offset, offset + len(data)],
-            }  # fmt: skip
+                "dtype": "F16",
+                "shape": [n, hidden],
+                "data_offsets": [offset, offset + len(data)],
+            }
             chunks.append(data)
             offset += len(data)
         blob = json.dumps(header).encode()
@@ -274,9 +257,7 @@ def _stage_app(root: Path) -> None:
 
 
 def _tree_bytes(root: Path) -> int:
-    return sum(
-        p.lstat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink()
-    )
+    return sum(p.lstat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def build(spec: ImageSpec, log: Callable[[str], None] = print) -> BuiltImage:
@@ -292,9 +273,7 @@ def build(spec: ImageSpec, log: Callable[[str], None] = print) -> BuiltImage:
         dirs = {n: stage / f"{i}-{n}" for i, n in enumerate(names)}
         for d in dirs.values():
             d.mkdir(parents=True)
-        log(
-            f"building image {spec.name} in {home} (pip install, weights, gzip: a few minutes)"
-        )
+        log(f"building image {spec.name} in {home} (pip install, weights, gzip: a few minutes)")
         _stage_packages(dirs["packages"])
         _stage_base(dirs["base"], dirs["packages"] / SITE_PACKAGES)
         _stage_python(dirs["python"])
@@ -304,12 +283,8 @@ def build(spec: ImageSpec, log: Callable[[str], None] = print) -> BuiltImage:
         _stage_app(dirs["app"])
         size = sum(_tree_bytes(d) for d in dirs.values())
         ocidir.write_layout(layout_dir, list(dirs.values()), CMD, ENV, tag="v1")
-        meta_path.write_text(
-            json.dumps({"uncompressed_bytes": size, "layer_names": names})
-        )
+        meta_path.write_text(json.dumps({"uncompressed_bytes": size, "layer_names": names}))
         shutil.rmtree(stage)
     meta = json.loads(meta_path.read_text())
     layout = ocidir.read_layout(layout_dir)
-    return BuiltImage(
-        spec, layout, tuple(meta["layer_names"]), meta["uncompressed_bytes"]
-    )
+    return BuiltImage(spec, layout, tuple(meta["layer_names"]), meta["uncompressed_bytes"])

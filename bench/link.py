@@ -65,9 +65,7 @@ def _ip(*args: str, ns: str | None = None) -> None:
 
 def remove_stale_namespaces() -> None:
     """Namespaces an earlier benchmark run created and could not remove (killed)."""
-    listing = subprocess.run(
-        ["ip", "netns", "list"], capture_output=True, text=True, check=True
-    ).stdout
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     for name in re.findall(rf"^({NETNS_PREFIX}(\d+))\b", listing, re.MULTILINE):
         if not pid_alive(int(name[1])):
             subprocess.run(["ip", "netns", "del", name[0]], check=False)
@@ -97,13 +95,9 @@ class Netns:
         return f"10.213.{self.subnet}.2"
 
     def create(self) -> None:
-        in_use = subprocess.run(
-            ["ip", "-o", "addr"], capture_output=True, text=True, check=True
-        ).stdout
+        in_use = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
         if f"10.213.{self.subnet}." in in_use:
-            raise RuntimeError(
-                f"10.213.{self.subnet}.0/30 is already in use on this host"
-            )
+            raise RuntimeError(f"10.213.{self.subnet}.0/30 is already in use on this host")
         _ip("ip", "netns", "add", self.name)
         _ip(
             "ip",
@@ -179,15 +173,11 @@ class Netns:
 
     def rx_bytes(self) -> int:
         """Bytes the host has received from the registry side so far."""
-        return int(
-            Path(f"/sys/class/net/{self.host_if}/statistics/rx_bytes").read_text()
-        )
+        return int(Path(f"/sys/class/net/{self.host_if}/statistics/rx_bytes").read_text())
 
     def destroy(self) -> None:
         # Deleting the namespace deletes its end of the pair, and with it the pair.
-        subprocess.run(
-            ["ip", "netns", "del", self.name], check=False, capture_output=True
-        )
+        subprocess.run(["ip", "netns", "del", self.name], check=False, capture_output=True)
 
 
 @dataclass
@@ -234,15 +224,23 @@ class DelayProxy:
         self.daemon.stop()
 
 
-def start_proxy(
-    upstream: str, rtt_ms: float, rate_mbit: float, log: Path
-) -> DelayProxy:
+def start_proxy(upstream: str, rtt_ms: float, rate_mbit: float, log: Path) -> DelayProxy:
     """The delay line in front of `upstream`; `rate_mbit` > 0 also paces downloads."""
     port = free_tcp_port()
     argv = [
-        sys.executable, "-m", "bench.link", "proxy", "--port", str(port), "--upstream", upstream,
-        "--rtt-ms", str(rtt_ms), "--rate-mbit", str(rate_mbit),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "bench.link",
+        "proxy",
+        "--port",
+        str(port),
+        "--upstream",
+        upstream,
+        "--rtt-ms",
+        str(rtt_ms),
+        "--rate-mbit",
+        str(rate_mbit),
+    ]
     daemon = start_daemon(
         f"delay proxy {rtt_ms} ms",
         argv,
@@ -270,9 +268,7 @@ class Calibration:
         }
 
 
-def calibrate(
-    shaper: str, proxy_host: str, blob_url_path: str, spec: LinkSpec
-) -> Calibration:
+def calibrate(shaper: str, proxy_host: str, blob_url_path: str, spec: LinkSpec) -> Calibration:
     """Measure what the link gives: rate on one big download, RTT on small requests."""
     base = f"http://{proxy_host}"
     fresh = []
@@ -291,9 +287,7 @@ def calibrate(
         size = int(spec.bytes_per_s * 2)
         start = time.perf_counter()
         got = 0
-        with client.stream(
-            "GET", base + blob_url_path, headers={"Range": f"bytes=0-{size - 1}"}
-        ) as response:
+        with client.stream("GET", base + blob_url_path, headers={"Range": f"bytes=0-{size - 1}"}) as response:
             response.raise_for_status()
             for chunk in response.iter_raw():
                 got += len(chunk)
@@ -362,9 +356,7 @@ async def _serve(port: int, upstream: str, rtt_ms: float, rate_mbit: float) -> N
     one_way = rtt_ms / 2000
     pacer = _Pacer(rate_mbit) if rate_mbit > 0 else None
 
-    async def handle(
-        c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter
-    ) -> None:
+    async def handle(c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         try:
             # The TCP handshake costs a round trip before the first byte moves.
             await asyncio.sleep(2 * one_way)

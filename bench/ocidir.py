@@ -88,13 +88,9 @@ def write_layer(source: Path, blob_dir: Path) -> tuple[str, str, int]:
             compresslevel=GZIP_LEVEL,
         ) as gz:  # type: ignore[arg-type]
             plain = _HashingWriter(gz)  # type: ignore[arg-type]
-            with tarfile.open(
-                fileobj=plain, mode="w|", format=tarfile.PAX_FORMAT
-            ) as tar:  # type: ignore[arg-type]
+            with tarfile.open(fileobj=plain, mode="w|", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[arg-type]
                 for path in _walk(source):
-                    info = _normalised(
-                        tar.gettarinfo(str(path), str(path.relative_to(source)))
-                    )
+                    info = _normalised(tar.gettarinfo(str(path), str(path.relative_to(source))))
                     if info.isreg():
                         with open(path, "rb") as f:
                             tar.addfile(info, f)
@@ -140,10 +136,7 @@ def write_layout(
             "schemaVersion": 2,
             "mediaType": MEDIA_MANIFEST,
             "config": {"mediaType": MEDIA_CONFIG, **config},
-            "layers": [
-                {"mediaType": MEDIA_LAYER_GZIP, "digest": d, "size": s}
-                for _, d, s in layers
-            ],
+            "layers": [{"mediaType": MEDIA_LAYER_GZIP, "digest": d, "size": s} for _, d, s in layers],
         },
     )
     index = {
@@ -174,9 +167,7 @@ def read_layout(directory: Path) -> ImageLayout:
     index = json.loads((directory / "index.json").read_text())
     entry = index["manifests"][0]
     manifest = json.loads((blobs / entry["digest"].removeprefix("sha256:")).read_text())
-    config = json.loads(
-        (blobs / manifest["config"]["digest"].removeprefix("sha256:")).read_text()
-    )
+    config = json.loads((blobs / manifest["config"]["digest"].removeprefix("sha256:")).read_text())
     return ImageLayout(
         directory=directory,
         tag=entry["annotations"]["org.opencontainers.image.ref.name"],

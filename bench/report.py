@@ -8,7 +8,7 @@ import os
 import platform
 import statistics
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ def summary_ms(samples_s: list[float]) -> dict[str, float]:
 def machine() -> dict[str, Any]:
     containerd = subprocess.run(["containerd", "--version"], capture_output=True, text=True)
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "kernel": platform.release(),

@@ -16,13 +16,13 @@ import grpc
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from bench import report  # noqa: E402
-from proto.containerd.services.snapshots.v1 import snapshots_pb2 as pb  # noqa: E402
-from proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc  # noqa: E402
-from tests.harness.containerd import start_containerd  # noqa: E402
-from tests.harness.snapshotter import start_snapshotter  # noqa: E402
+from bench import report
+from proto.containerd.services.snapshots.v1 import snapshots_pb2 as pb
+from proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc
+from tests.harness.containerd import start_containerd
+from tests.harness.snapshotter import start_snapshotter
 
 SNAPSHOTTERS = ("overlayfs", "bootseer")
 # containerd garbage-collects unreferenced snapshots; a root label keeps ours.
@@ -73,7 +73,9 @@ def run(iterations: int, warmup: int) -> dict[str, object]:
         for name in SNAPSHOTTERS:
             base = f"bench-{name}-base"
             stub.Prepare(pb.PrepareSnapshotRequest(snapshotter=name, key=base + "-x", labels=ROOT_LABEL), metadata=meta)
-            stub.Commit(pb.CommitSnapshotRequest(snapshotter=name, name=base, key=base + "-x", labels=ROOT_LABEL), metadata=meta)
+            stub.Commit(
+                pb.CommitSnapshotRequest(snapshotter=name, name=base, key=base + "-x", labels=ROOT_LABEL), metadata=meta
+            )
             bases[name] = base
         # Interleaved, so drift in the machine's load hits both alike.
         for i in range(warmup + iterations):

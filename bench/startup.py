@@ -38,8 +38,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench import image, link, report, timeline
-from bootseer.config import FsConfig
 from bench.timeline import Run, ScriptOutput, Segment
+from snapshotter.fs.settings import FsConfig
 from tests.harness.containerd import CTR_BIN, Containerd, start_containerd
 from tests.harness.layerserver import LayerServer, LazyConfig
 from tests.harness.oci import push
@@ -83,11 +83,7 @@ class Node:
     containerd: Containerd
 
     def teardown(self) -> list[str]:
-        return (
-            self.containerd.stop()
-            + self.snapshotter.teardown()
-            + self.layers.teardown()
-        )
+        return self.containerd.stop() + self.snapshotter.teardown() + self.layers.teardown()
 
 
 def start_node(plain_http_hosts: list[str], hot_blocks: bool = False) -> Node:
@@ -95,23 +91,22 @@ def start_node(plain_http_hosts: list[str], hot_blocks: bool = False) -> Node:
     # a recording during the start's CPU-bound phases, before the shard is read.
     defaults = FsConfig()
     config = LazyConfig(
-        Path(tempfile.mkdtemp(prefix="bs-bench-", dir="/tmp")), plain_http_hosts, hot_blocks=hot_blocks,
-        record_idle_s=defaults.record_idle_s, record_max_s=defaults.record_max_s,
+        Path(tempfile.mkdtemp(prefix="bs-bench-", dir="/tmp")),
+        plain_http_hosts,
+        hot_blocks=hot_blocks,
+        record_idle_s=defaults.record_idle_s,
+        record_max_s=defaults.record_max_s,
         whole_layer_bytes=defaults.whole_layer_bytes,
-    )  # fmt: skip
+    )
     config.write()
     # Debug logging of every FUSE call would be part of what is measured.
-    config.path.write_text(
-        config.path.read_text().replace('level = "debug"', 'level = "info"', 1)
-    )
+    config.path.write_text(config.path.read_text().replace('level = "debug"', 'level = "info"', 1))
     layers = LayerServer(config)
     started: list[Callable[[], object]] = []
     try:
         layers.start()
         started.append(layers.teardown)
-        snapshotter = start_snapshotter(
-            ["--config", str(config.path), "--log-level", "info"]
-        )
+        snapshotter = start_snapshotter(["--config", str(config.path), "--log-level", "info"])
         started.append(snapshotter.teardown)
         containerd = start_containerd(snapshotter.address)
         started.append(containerd.stop)
@@ -131,9 +126,7 @@ class RxSampler:
         self.netns = netns
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._loop, name="rx-sampler", daemon=True
-        )
+        self._thread = threading.Thread(target=self._loop, name="rx-sampler", daemon=True)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -161,9 +154,7 @@ class Setup:
     netns: link.Netns
     proxy: link.DelayProxy
     warm: Node
-    direct_ref: (
-        str  # through the veth, unshaped by the proxy: what the warm node pulled
-    )
+    direct_ref: str  # through the veth, unshaped by the proxy: what the warm node pulled
 
     @property
     def ref(self) -> str:
@@ -201,16 +192,28 @@ def _pull_overlayfs(ctx: RunContext) -> list[Segment]:
 def _pull_lazy(ctx: RunContext) -> list[Segment]:
     c = ctx.node.containerd
     out = subprocess.run(
-        [str(BOOTSEER_BIN), "pull", "--config", str(ctx.node.layers.config.path), "--address", str(c.address),
-         "--namespace", c.namespace, "--snapshotter", "bootseer", ctx.ref],
-        capture_output=True, text=True, timeout=STEP_TIMEOUT, check=False,
-    )  # fmt: skip
+        [
+            str(BOOTSEER_BIN),
+            "pull",
+            "--config",
+            str(ctx.node.layers.config.path),
+            "--address",
+            str(c.address),
+            "--namespace",
+            c.namespace,
+            "--snapshotter",
+            "bootseer",
+            ctx.ref,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=STEP_TIMEOUT,
+        check=False,
+    )
     end = time.time()
     counts = re.search(r"\((\d+) remote, (\d+) fetched", out.stdout)
     if out.returncode != 0 or counts is None or int(counts.group(1)) == 0:
-        raise RuntimeError(
-            f"bootseer pull did not pull lazily ({out.returncode}):\n{out.stdout}\n{out.stderr}"
-        )
+        raise RuntimeError(f"bootseer pull did not pull lazily ({out.returncode}):\n{out.stdout}\n{out.stderr}")
     ctx.notes["remote_layers"] = int(counts.group(1))
     ctx.notes["fetched_layers"] = int(counts.group(2))
     return [Segment("pull: index + remote mounts", 0.0, end - ctx.t0)]
@@ -242,12 +245,21 @@ MODES = {
 }
 
 
-def _run_container(
-    c: Containerd, snapshotter: str, ref: str, container_id: str
-) -> tuple[float, ScriptOutput]:
+def _run_container(c: Containerd, snapshotter: str, ref: str, container_id: str) -> tuple[float, ScriptOutput]:
     """`ctr run` the image's entry point; when its READY line came, and what it printed."""
-    argv = [CTR_BIN, "--address", str(c.address), "--namespace", c.namespace,
-            "run", "--rm", "--snapshotter", snapshotter, ref, container_id]  # fmt: skip
+    argv = [
+        CTR_BIN,
+        "--address",
+        str(c.address),
+        "--namespace",
+        c.namespace,
+        "run",
+        "--rm",
+        "--snapshotter",
+        snapshotter,
+        ref,
+        container_id,
+    ]
     script = ScriptOutput()
     ready_at = 0.0
     lines: list[str] = []
@@ -270,9 +282,7 @@ def _run_container(
     finally:
         timer.cancel()
     if proc.returncode != 0 or not ready_at:
-        raise RuntimeError(
-            f"`{' '.join(argv)}` exited {proc.returncode} without READY:\n{''.join(lines[-30:])}"
-        )
+        raise RuntimeError(f"`{' '.join(argv)}` exited {proc.returncode} without READY:\n{''.join(lines[-30:])}")
     return ready_at, script
 
 
@@ -285,13 +295,9 @@ def timed_run(setup: Setup, mode: Mode, number: int) -> Run:
             ctx = RunContext(setup, node, sampler, time.time(), ref)
             pull = mode.pull(ctx)
             pull_end = time.time()
-            ready_at, script = _run_container(
-                node.containerd, mode.snapshotter, ref, f"{mode.name}-{number}"
-            )
+            ready_at, script = _run_container(node.containerd, mode.snapshotter, ref, f"{mode.name}-{number}")
         metrics = (
-            {name: node.layers.metric(name) for name in LAYER_SERVER_METRICS}
-            if mode.snapshotter == "bootseer"
-            else {}
+            {name: node.layers.metric(name) for name in LAYER_SERVER_METRICS} if mode.snapshotter == "bootseer" else {}
         )
     finally:
         if mode.cold:
@@ -374,9 +380,7 @@ def run_link(
     netns, warm, direct_ref = setup_base
     upstream = f"{netns.ns_addr}:{link.REGISTRY_PORT}"
     biggest = max(zip(built.layout.layer_sizes, built.layout.layer_digests))[1]
-    proxy, calibration = _calibrate(
-        netns, upstream, spec, f"/v2/{REPOSITORY}/blobs/{biggest}", shaper
-    )
+    proxy, calibration = _calibrate(netns, upstream, spec, f"/v2/{REPOSITORY}/blobs/{biggest}", shaper)
     setup = Setup(netns, proxy, warm, direct_ref)
     by_mode: dict[str, list[Run]] = {m.name: [] for m in modes}
     manifest_bytes = None
@@ -396,10 +400,7 @@ def run_link(
         proxy.stop()
         netns.unshape()
     summary = {name: timeline.summarise(rs) for name, rs in by_mode.items()}
-    representative = {
-        name: sorted(rs, key=lambda r: r.ready_s)[len(rs) // 2]
-        for name, rs in by_mode.items()
-    }
+    representative = {name: sorted(rs, key=lambda r: r.ready_s)[len(rs) // 2] for name, rs in by_mode.items()}
     return _link_results(spec, shaper, calibration, summary, manifest_bytes), representative
 
 
@@ -422,9 +423,7 @@ def _link_results(
         )
     ratios = {
         "lazy_vs_overlayfs": timeline.ratio(median("lazy"), median("overlayfs")),
-        "prefetch_vs_overlayfs": timeline.ratio(
-            median("prefetch"), median("overlayfs")
-        ),
+        "prefetch_vs_overlayfs": timeline.ratio(median("prefetch"), median("overlayfs")),
         "prefetch_vs_limit": timeline.ratio(median("prefetch"), limit),
         "lazy_vs_limit": timeline.ratio(median("lazy"), limit),
         "overlayfs_vs_limit": timeline.ratio(median("overlayfs"), limit),
@@ -435,21 +434,26 @@ def _link_results(
         warm = summary["warm"]["breakdown_s"]
         for name, mode_summary in summary.items():
             if name != "warm":
-                mode_summary["excess_over_warm_s"] = timeline.waits_vs_warm(
-                    mode_summary["breakdown_s"], warm
-                )
+                mode_summary["excess_over_warm_s"] = timeline.waits_vs_warm(mode_summary["breakdown_s"], warm)
     return {
-        "link": {"name": spec.name, "rate_mbit": spec.rate_mbit, "rtt_ms": spec.rtt_ms, "shaper": shaper,
-                 "calibration": calibration},
+        "link": {
+            "name": spec.name,
+            "rate_mbit": spec.rate_mbit,
+            "rtt_ms": spec.rtt_ms,
+            "shaper": shaper,
+            "calibration": calibration,
+        },
         "modes": modes,
         "limit_s": limit,
         "hot_bytes": hot_bytes,
         "limit_definition": f"warm median + hot_bytes ({hot_source}) / configured link rate",
         "ratios": ratios,
-        "targets": {k: {"target": v, "measured": ratios[k], "met": None if ratios[k] is None else ratios[k] <= v}
-                    for k, v in TARGETS.items()},
+        "targets": {
+            k: {"target": v, "measured": ratios[k], "met": None if ratios[k] is None else ratios[k] <= v}
+            for k, v in TARGETS.items()
+        },
         "closing_note": _closing_note(ratios, summary),
-    }  # fmt: skip
+    }
 
 
 def _hot_bytes(summary: dict[str, dict], manifest_bytes: int | None) -> tuple[int | None, str]:
@@ -460,11 +464,7 @@ def _hot_bytes(summary: dict[str, dict], manifest_bytes: int | None) -> tuple[in
     (uncompressed: an upper bound)."""
     if manifest_bytes:
         return manifest_bytes, "compressed bytes of the blocks the recording run read (its hot-block manifest)"
-    lazy = (
-        summary.get("lazy", {})
-        .get("layer_server", {})
-        .get("bootseer_fs_fetched_bytes_total")
-    )
+    lazy = summary.get("lazy", {}).get("layer_server", {}).get("bootseer_fs_fetched_bytes_total")
     if lazy:
         return (
             int(lazy),
@@ -477,9 +477,7 @@ def _hot_bytes(summary: dict[str, dict], manifest_bytes: int | None) -> tuple[in
     )
 
 
-def _closing_note(
-    ratios: dict[str, float | None], summary: dict[str, dict]
-) -> list[str]:
+def _closing_note(ratios: dict[str, float | None], summary: dict[str, dict]) -> list[str]:
     notes = []
     for key, target in TARGETS.items():
         measured = ratios[key]
@@ -510,10 +508,15 @@ def _closing_note(
 
 
 COLORS = {
-    "pull: fetch": "#1f77b4", "pull: unpack": "#aec7e8", "pull: index + remote mounts": "#17becf",
-    "container start + interpreter": "#ff7f0e", "import torch": "#d62728", "build model": "#9467bd",
-    "load config + shard": "#8c564b", timeline.READY_SEGMENT: "#2ca02c",
-}  # fmt: skip
+    "pull: fetch": "#1f77b4",
+    "pull: unpack": "#aec7e8",
+    "pull: index + remote mounts": "#17becf",
+    "container start + interpreter": "#ff7f0e",
+    "import torch": "#d62728",
+    "build model": "#9467bd",
+    "load config + shard": "#8c564b",
+    timeline.READY_SEGMENT: "#2ca02c",
+}
 
 
 def plot(
@@ -521,9 +524,7 @@ def plot(
     representative: dict[str, dict[str, Run]],
     path: Path,
 ) -> None:
-    fig, axes = plt.subplots(
-        len(per_link), 1, figsize=(11, 2.2 + 1.6 * len(per_link)), squeeze=False
-    )
+    fig, axes = plt.subplots(len(per_link), 1, figsize=(11, 2.2 + 1.6 * len(per_link)), squeeze=False)
     for ax, (name, results) in zip(axes[:, 0], per_link.items()):
         runs = representative[name]
         order = [m for m in ("overlayfs", "lazy", "prefetch", "warm") if m in runs]
@@ -567,22 +568,16 @@ def plot(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--link", choices=[*link.LINKS, "all"], default="all")
-    parser.add_argument(
-        "--runs", type=int, default=3, help="timed runs per mode and link"
-    )
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per mode and link")
     parser.add_argument("--image", choices=["full", "quick"], default="full")
     parser.add_argument(
         "--modes",
         default=",".join(MODES),
         help=f"comma-separated subset of {','.join(MODES)}",
     )
-    parser.add_argument(
-        "--shaper", choices=["tc", "proxy"], default="tc", help="what limits bandwidth"
-    )
+    parser.add_argument("--shaper", choices=["tc", "proxy"], default="tc", help="what limits bandwidth")
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -605,26 +600,25 @@ def main() -> None:
     netns.create()
     registry = warm = None
     try:
-        registry = link.start_ns_registry(
-            netns, Path(tempfile.mkdtemp(prefix="bs-bench-reg-", dir=WORKDIR))
-        )
+        registry = link.start_ns_registry(netns, Path(tempfile.mkdtemp(prefix="bs-bench-reg-", dir=WORKDIR)))
         direct_ref = f"{registry.host}/{REPOSITORY}:v1"
         log(f"pushing to {direct_ref} and indexing (unshaped)")
         push(built.layout, direct_ref)
         warm = start_node([registry.host])
-        index = subprocess.run([str(BOOTSEER_BIN), "index", "--config", str(warm.layers.config.path), "--quiet", direct_ref],
-                               capture_output=True, text=True, timeout=STEP_TIMEOUT, check=False)  # fmt: skip
+        index = subprocess.run(
+            [str(BOOTSEER_BIN), "index", "--config", str(warm.layers.config.path), "--quiet", direct_ref],
+            capture_output=True,
+            text=True,
+            timeout=STEP_TIMEOUT,
+            check=False,
+        )
         if index.returncode != 0:
-            raise RuntimeError(
-                f"bootseer index failed:\n{index.stdout}\n{index.stderr}"
-            )
+            raise RuntimeError(f"bootseer index failed:\n{index.stdout}\n{index.stderr}")
         warm.containerd.pull(direct_ref, snapshotter="overlayfs")
         per_link: dict[str, dict[str, object]] = {}
         representative: dict[str, dict[str, Run]] = {}
         for spec in specs:
-            log(
-                f"link {spec.name}: calibrating, then {args.runs} round(s) of {', '.join(m.name for m in modes)}"
-            )
+            log(f"link {spec.name}: calibrating, then {args.runs} round(s) of {', '.join(m.name for m in modes)}")
             per_link[spec.name], representative[spec.name] = run_link(
                 (netns, warm, direct_ref), spec, built, modes, args.runs, args.shaper
             )
@@ -661,9 +655,7 @@ def _print_table(per_link: dict[str, dict[str, object]]) -> None:
         print(f"{'mode':10}{'median s':>10}{'MB fetched':>12}")
         for mode, s in results["modes"].items():  # type: ignore[union-attr]
             if "median_s" in s:
-                print(
-                    f"{mode:10}{s['median_s']:>10.2f}{s['bytes_fetched'] / 1e6:>12.1f}"
-                )
+                print(f"{mode:10}{s['median_s']:>10.2f}{s['bytes_fetched'] / 1e6:>12.1f}")
         for line in results["closing_note"]:  # type: ignore[union-attr]
             print("  " + line)
 

@@ -77,9 +77,7 @@ def timeline(
     for mark, label in SCRIPT_SEGMENTS:
         at = script.marks.get(mark)
         if at is None:
-            raise ValueError(
-                f"the script printed no {mark!r} mark: {sorted(script.marks)}"
-            )
+            raise ValueError(f"the script printed no {mark!r} mark: {sorted(script.marks)}")
         segments.append(Segment(label, previous - t0, at - t0))
         previous = at
     segments.append(Segment(READY_SEGMENT, previous - t0, ready_at - t0))
@@ -109,9 +107,7 @@ def summarise(runs: list[Run]) -> dict[str, object]:
         labels += [s.label for s in run.segments if s.label not in labels]
     breakdown = {
         label: round(
-            _median(
-                [sum(s.seconds for s in r.segments if s.label == label) for r in runs]
-            ),
+            _median([sum(s.seconds for s in r.segments if s.label == label) for r in runs]),
             3,
         )
         for label in labels
@@ -127,10 +123,7 @@ def summarise(runs: list[Run]) -> dict[str, object]:
         out["start_read_bytes"] = int(_median([float(x) for x in read]))
     keys = sorted({k for r in runs for k in r.layer_server})
     if keys:
-        out["layer_server"] = {
-            k: round(_median([r.layer_server.get(k, 0.0) for r in runs]), 3)
-            for k in keys
-        }
+        out["layer_server"] = {k: round(_median([r.layer_server.get(k, 0.0) for r in runs]), 3) for k in keys}
     return out
 
 
@@ -148,6 +141,4 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 def waits_vs_warm(mode: dict[str, float], warm: dict[str, float]) -> dict[str, float]:
     """How much longer each container-side segment took than warm: the time
     spent waiting for bytes the warm start had on disk."""
-    return {
-        label: round(mode[label] - warm[label], 3) for label in mode if label in warm
-    }
+    return {label: round(mode[label] - warm[label], 3) for label in mode if label in warm}

@@ -35,9 +35,7 @@ def load_safetensors(path: str) -> dict:
         if name == "__metadata__":
             continue
         start, end = meta["data_offsets"]
-        flat = torch.frombuffer(
-            data, dtype=dtypes[meta["dtype"]], count=(end - start) // 2, offset=start
-        )
+        flat = torch.frombuffer(data, dtype=dtypes[meta["dtype"]], count=(end - start) // 2, offset=start)
         tensors[name] = flat.reshape(meta["shape"])
     return tensors
 
@@ -56,9 +54,7 @@ def main() -> None:
         config["intermediate_size"],
         batch_first=True,
     )
-    model = nn.TransformerEncoder(
-        layer, config["num_layers"], enable_nested_tensor=False
-    )
+    model = nn.TransformerEncoder(layer, config["num_layers"], enable_nested_tensor=False)
     mark("build_model")
     shard = load_safetensors(f"{MODEL_DIR}/{config['shards'][0]}")
     loaded = sum(t.numel() for t in shard.values())

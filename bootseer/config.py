@@ -15,6 +15,9 @@ from typing import Any
 
 from depsnap.settings import DepsnapConfig
 from hdfs_fuse.settings import HdfsFuseConfig
+from snapshotter.fs.settings import FsConfig
+from snapshotter.registry.settings import RegistryConfig
+from snapshotter.settings import SnapshotterConfig
 
 DEFAULT_PATH = Path("/etc/bootseer/config.toml")
 
@@ -29,56 +32,6 @@ class LogConfig:
     level: str = "info"
     # "json" (production), "console" (readable), "auto" (console on a terminal)
     format: str = "auto"
-
-
-@dataclass
-class SnapshotterConfig:
-    root: Path = Path("/var/lib/bootseer/snapshotter")
-    address: Path = Path("/run/bootseer/snapshotter.sock")
-    # host:port for Prometheus metrics; empty turns them off.
-    metrics_address: str = ""
-    # Serve indexed layers lazily through the FUSE layer server.
-    lazy: bool = True
-
-
-@dataclass
-class FsConfig:
-    """The FUSE layer server, and where the snapshotter finds it."""
-
-    # Layer indexes, block caches and the block index.
-    store: Path = Path("/var/lib/bootseer/layers")
-    # The single FUSE mount; short, because every lazy layer's path under it
-    # goes into an overlay lowerdir option that must fit in one page.
-    mountpoint: Path = Path("/var/lib/bootseer/m")
-    max_parallel_fetches: int = 8
-    metrics_address: str = ""
-    # A stored layer no snapshot uses is removed by containerd's cleanup once
-    # it is this old (younger ones may belong to a pull under way).
-    layer_gc_grace_s: float = 600.0
-    # Record first runs and prefetch hot-block manifests (off: neither).
-    hot_blocks: bool = True
-    # Hot blocks: a first run's recording ends once no new block was read
-    # for record_idle_s, or after record_max_s.
-    record_idle_s: float = 10.0
-    record_max_s: float = 300.0
-    # Parallel Range requests of the hot-block prefetcher (per image).
-    prefetch_parallel: int = 4
-    # Fetch every served layer whole in the background, at most
-    # background_bandwidth bytes/s, pausing while readers wait on fetches.
-    background_fetch: bool = False
-    background_bandwidth: int = 50_000_000
-    # Layers at most this big (compressed) are fetched whole as soon as they
-    # are served, with the prefetch slots: a few Range requests instead of a
-    # miss per file (0: off).
-    whole_layer_bytes: int = 32 << 20
-
-
-@dataclass
-class RegistryConfig:
-    # containerd's hosts directory: certs.d/<host>/hosts.toml (mirrors, plain HTTP, CAs).
-    config_path: Path = Path("/etc/containerd/certs.d")
-    # Docker credentials file; empty means $DOCKER_CONFIG/config.json or ~/.docker/config.json.
-    docker_config: str = ""
 
 
 @dataclass
@@ -115,9 +68,7 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
             values[key] = float(raw)
         else:
             if not isinstance(raw, type(default)) or isinstance(raw, bool) != isinstance(default, bool):
-                raise ConfigError(
-                    f"{where}{key} must be a {type(default).__name__}, not {type(raw).__name__}"
-                )
+                raise ConfigError(f"{where}{key} must be a {type(default).__name__}, not {type(raw).__name__}")
             values[key] = raw
     return cls(**values)
 

@@ -114,9 +114,7 @@ class DaemonNode:
     def __init__(self, address: Path) -> None:
         self.address = address
 
-    def _call(
-        self, message: dict[str, Any], fds: Sequence[int] = ()
-    ) -> tuple[dict[str, Any], list[int]]:
+    def _call(self, message: dict[str, Any], fds: Sequence[int] = ()) -> tuple[dict[str, Any], list[int]]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(str(self.address))
             send_message(sock, message, fds)

@@ -177,9 +177,7 @@ class _Handler(socketserver.BaseRequestHandler):
         except Exception:
             log.exception("request failed")
             try:
-                send_message(
-                    self.request, {"ok": False, "error": "internal", "message": "see daemon log"}
-                )
+                send_message(self.request, {"ok": False, "error": "internal", "message": "see daemon log"})
             except OSError:
                 pass
         finally:

@@ -57,9 +57,7 @@ def fetch(node: Node, key: str, store_uri: str | None) -> Image | None:
     return None
 
 
-def lazy_restore(
-    node: LocalNode, key: str, store_uri: str | None, target: Path, min_bytes: int
-) -> int | None:
+def lazy_restore(node: LocalNode, key: str, store_uri: str | None, target: Path, min_bytes: int) -> int | None:
     """Mount the store's snapshot at `target`, read lazily, when the node
     lacks it and it is large enough to be worth a FUSE server; its image size
     if so. Anything else (or any failure) leaves the whole-image fetch to run."""
@@ -146,23 +144,17 @@ def ensure(
     if restore_mode == "mount" and lazy_min_bytes is not None and isinstance(node, LocalNode):
         size = lazy_restore(node, key, store_uri, target, lazy_min_bytes)
         if size is not None:
-            return done(
-                "hit", f"{size} image bytes from store, read lazily via {node.where}, mounted"
-            )
+            return done("hit", f"{size} image bytes from store, read lazily via {node.where}, mounted")
     found = fetch(node, key, store_uri)
     if found is not None:
         try:
-            restore = (
-                snapshot.restore_mounted if restore_mode == "mount" else snapshot.restore_copied
-            )
+            restore = snapshot.restore_mounted if restore_mode == "mount" else snapshot.restore_copied
             restore(found.path, target, key)
         except (ImageError, snapshot.RestoreError, OSError) as exc:
             log.warning("restore failed, installing instead", key=key, reason=str(exc))
         else:
             where = "node cache" if found.source == "cache" else "store"
-            return done(
-                "hit", f"{found.size} image bytes from {where} via {node.where}, {restore_mode}ed"
-            )
+            return done("hit", f"{found.size} image bytes from {where} via {node.where}, {restore_mode}ed")
         finally:
             found.close()
 

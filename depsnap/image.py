@@ -28,9 +28,7 @@ def build(source: Path, image: Path) -> None:
     Uncompressed on purpose: the store already holds it zstd-compressed, and
     an uncompressed image reads at page-cache speed once mounted.
     """
-    result = subprocess.run(
-        ["mkfs.erofs", "--quiet", str(image), str(source)], capture_output=True, text=True
-    )
+    result = subprocess.run(["mkfs.erofs", "--quiet", str(image), str(source)], capture_output=True, text=True)
     if result.returncode != 0:
         raise ImageError(f"mkfs.erofs {source} failed: {result.stderr.strip()}")
 

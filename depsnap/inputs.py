@@ -103,10 +103,7 @@ def installer_config(installer: str, environ: Mapping[str, str], cwd: Path) -> l
                 included = collect(_pip_config_includes(path), role="constraint")
             except Exception as exc:
                 raise InputError(str(exc)) from None
-            inputs += [
-                _file_input(f"config[{index}].{item.role}[{n}]", item)
-                for n, item in enumerate(included)
-            ]
+            inputs += [_file_input(f"config[{index}].{item.role}[{n}]", item) for n, item in enumerate(included)]
     return inputs
 
 

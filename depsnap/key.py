@@ -93,9 +93,7 @@ def redact(value: str) -> str:
 def environment_inputs(environ: Mapping[str, str]) -> list[Input]:
     """The variables of `environ` that change what gets installed."""
     names = sorted(
-        name
-        for name in environ
-        if (name.startswith(_ENV_PREFIXES) and name not in _ENV_IGNORED) or name in _ENV_NAMES
+        name for name in environ if (name.startswith(_ENV_PREFIXES) and name not in _ENV_IGNORED) or name in _ENV_NAMES
     )
     return [Input(f"env:{name}", redact(environ[name])) for name in names]
 

@@ -48,9 +48,7 @@ _IMAGE_INODE = pyfuse3.ROOT_INODE + 1
 # Range reads of the chunks readers miss: a compressed chunk is a few
 # stripes, fetched at once; no read-ahead (the fill streams the rest in
 # order); few retries, since a reader waits behind every one.
-_READER = hdfs_fuse.HdfsFuseConfig(
-    stripe_size=1 << 20, streams=8, readahead=0, retries=3, io_timeout=10.0
-)
+_READER = hdfs_fuse.HdfsFuseConfig(stripe_size=1 << 20, streams=8, readahead=0, retries=3, io_timeout=10.0)
 _FILL_WORKERS = 2
 # Kernel requests served at once: read-ahead arrives as parallel requests.
 _FUSE_TASKS = 16
@@ -73,9 +71,7 @@ def spans(manifest: Manifest, data_offset: int) -> list[Span]:
     found = []
     image_offset, stored_offset = 0, data_offset
     for index, chunk in enumerate(manifest.chunks):
-        found.append(
-            Span(index, image_offset, chunk.size, stored_offset, chunk.length, chunk.sha256)
-        )
+        found.append(Span(index, image_offset, chunk.size, stored_offset, chunk.length, chunk.sha256))
         image_offset += chunk.size
         stored_offset += chunk.length
     return found
@@ -98,9 +94,7 @@ class LazyImage:
     """The image, filled chunk by chunk into `fd` from `remote` (a snapshot
     file opened by range), each chunk fetched once however many want it."""
 
-    def __init__(
-        self, manifest: Manifest, data_offset: int, remote: hdfs_fuse.StripedFile, fd: int
-    ) -> None:
+    def __init__(self, manifest: Manifest, data_offset: int, remote: hdfs_fuse.StripedFile, fd: int) -> None:
         self.manifest = manifest
         self.spans = spans(manifest, data_offset)
         self.remote = remote
@@ -151,13 +145,8 @@ class LazyImage:
         try:
             if read_manifest(stream, self.manifest.key) != self.manifest:
                 raise CorruptSnapshot("the snapshot changed while it was being read")
-            with ThreadPoolExecutor(
-                _FILL_WORKERS, thread_name_prefix="fill", initializer=_background
-            ) as pool:
-                frames = (
-                    (span, read_exactly(stream, span.length, f"chunk {span.index}"))
-                    for span in self.spans
-                )
+            with ThreadPoolExecutor(_FILL_WORKERS, thread_name_prefix="fill", initializer=_background) as pool:
+                frames = ((span, read_exactly(stream, span.length, f"chunk {span.index}")) for span in self.spans)
                 for _ in bounded_map(pool, self._arrived, frames, 2 * _FILL_WORKERS):
                     pass
         except (OSError, CorruptSnapshot, StoreUnavailable) as exc:
@@ -235,9 +224,7 @@ def _open_snapshot(uri: str, key: str) -> tuple[hdfs_fuse.StripedFile, Manifest,
         raise
 
 
-def serve(
-    store_uri: str, key: str, cache: Cache, mountpoint: Path, report: Callable[[str], None]
-) -> int:
+def serve(store_uri: str, key: str, cache: Cache, mountpoint: Path, report: Callable[[str], None]) -> int:
     """Mount the snapshot of `key` in the store on `mountpoint`; `report`
     says "ok" once mounted or why not. Returns when the mount goes away."""
     try:
@@ -324,7 +311,7 @@ def start(store_uri: str, key: str, cache: Cache, mountpoint: Path, log_path: Pa
             os.dup2(log_fd, 2)
             configure("info", "json")
             code = serve(store_uri, key, cache, mountpoint, _reporter(answer))
-        except BaseException:  # noqa: BLE001 - a fork must never return into the caller
+        except BaseException:
             traceback.print_exc()
         finally:
             os._exit(code)

@@ -50,9 +50,7 @@ def _logical_lines(text: str) -> list[str]:
 
 
 # "-r x", "-rx", "--requirement x", "--requirement=x" (optparse accepts them all).
-_OPTION = re.compile(
-    r"^(--requirement|--constraint|--editable|-r|-c|-e)(?:\s*=\s*|\s+|(?<=-[rce])(?=\S))(.+)$"
-)
+_OPTION = re.compile(r"^(--requirement|--constraint|--editable|-r|-c|-e)(?:\s*=\s*|\s+|(?<=-[rce])(?=\S))(.+)$")
 
 
 def _split_option(line: str) -> tuple[str, str] | None:

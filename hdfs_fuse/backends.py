@@ -86,9 +86,7 @@ def _direct_connections(location: Location, config: HdfsFuseConfig) -> RangeConn
     without a proxy. TLS and proxies stay with httpx, as configured."""
     if location.scheme != "http" or {"http", "all"} & urllib.request.getproxies().keys():
         return None
-    return RangeConnections(
-        location.host, location.port or 80, config.io_timeout, keep=config.streams * 2 + 4
-    )
+    return RangeConnections(location.host, location.port or 80, config.io_timeout, keep=config.streams * 2 + 4)
 
 
 class HttpBackend:
@@ -102,9 +100,7 @@ class HttpBackend:
         connections = config.streams * 2 + 4
         self.client = httpx.Client(
             timeout=httpx.Timeout(config.io_timeout),
-            limits=httpx.Limits(
-                max_connections=connections, max_keepalive_connections=connections
-            ),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
             follow_redirects=True,
         )
 
@@ -196,15 +192,11 @@ class HttpFile:
 
     def _check(self, status: int, content_range: str, offset: int, last: int) -> None:
         if status == 200:
-            raise PermanentError(
-                f"{self.url} changed since it was opened, or the server ignores Range requests"
-            )
+            raise PermanentError(f"{self.url} changed since it was opened, or the server ignores Range requests")
         _raise_for(status, self.location)
         expected = f"bytes {offset}-{last}/{self.size}"
         if status != 206 or content_range != expected:
-            raise PermanentError(
-                f"{self.url}: asked for {expected}, got HTTP {status} {content_range!r}"
-            )
+            raise PermanentError(f"{self.url}: asked for {expected}, got HTTP {status} {content_range!r}")
 
     def _short(self, offset: int, last: int, filled: int) -> TransientError:
         return TransientError(f"GET {self.url} [{offset}-{last}]: short body {filled}/{last - offset + 1}")

@@ -52,8 +52,9 @@ def plan(client: Client, source: str, dest: Path) -> list[tuple[uri_mod.Location
     return list(_walk(client, location, dest))
 
 
-def copy_file(client: Client, location: uri_mod.Location, target: Path, size: int,
-              progress: Callable[[int], None]) -> int:
+def copy_file(
+    client: Client, location: uri_mod.Location, target: Path, size: int, progress: Callable[[int], None]
+) -> int:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.part-{os.getpid()}-{threading.get_ident()}")
     chunk = bytearray(client.config.stripe_size)
@@ -79,8 +80,7 @@ def copy_file(client: Client, location: uri_mod.Location, target: Path, size: in
     return written
 
 
-def copy(client: Client, source: str, dest: Path,
-         progress: Callable[[int], None] = lambda n: None) -> CopyReport:
+def copy(client: Client, source: str, dest: Path, progress: Callable[[int], None] = lambda n: None) -> CopyReport:
     """Copy `source` (a file or a directory URI) to `dest`."""
     work = plan(client, source, dest)
     report = CopyReport()

@@ -228,7 +228,9 @@ class RemoteFS(pyfuse3.Operations):
 
         def on_fetched(index: int, start: int, data: bytes | bytearray) -> None:
             filler.offer(
-                inode, start, data,
+                inode,
+                start,
+                data,
                 stored=lambda n: reader.pushed(index, n),
                 wanted=lambda: self._push_wanted(inode, version, start),
             )

@@ -11,9 +11,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter, Histogram
 
 BYTES_SERVED = Counter("bootseer_hdfs_fuse_served_bytes", "Bytes returned to readers.")
-BYTES_FETCHED = Counter(
-    "bootseer_hdfs_fuse_fetched_bytes", "Bytes read from remote stores, by scheme.", ["scheme"]
-)
+BYTES_FETCHED = Counter("bootseer_hdfs_fuse_fetched_bytes", "Bytes read from remote stores, by scheme.", ["scheme"])
 STRIPE_SECONDS = Histogram(
     "bootseer_hdfs_fuse_stripe_seconds",
     "Time to read one stripe from the remote store (one attempt that succeeded).",
@@ -21,20 +19,12 @@ STRIPE_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 RETRIES = Counter("bootseer_hdfs_fuse_retries", "Stripe reads retried after a failure.")
-HEDGES = Counter(
-    "bootseer_hdfs_fuse_hedged_reads", "Second reads issued for stripes slower than the timeout."
-)
+HEDGES = Counter("bootseer_hdfs_fuse_hedged_reads", "Second reads issued for stripes slower than the timeout.")
 FAILURES = Counter("bootseer_hdfs_fuse_failed_reads", "Stripe reads that gave up (EIO).")
-READAHEAD_HITS = Counter(
-    "bootseer_hdfs_fuse_readahead_hit_bytes", "Prefetched bytes a reader then asked for."
-)
-READAHEAD_WASTE = Counter(
-    "bootseer_hdfs_fuse_readahead_waste_bytes", "Prefetched bytes dropped without being read."
-)
+READAHEAD_HITS = Counter("bootseer_hdfs_fuse_readahead_hit_bytes", "Prefetched bytes a reader then asked for.")
+READAHEAD_WASTE = Counter("bootseer_hdfs_fuse_readahead_waste_bytes", "Prefetched bytes dropped without being read.")
 CACHE_HITS = Counter("bootseer_hdfs_fuse_cache_hit_bytes", "Bytes served from the disk cache.")
-PUSHED = Counter(
-    "bootseer_hdfs_fuse_page_cache_pushed_bytes", "Bytes the mount pushed into the kernel's page cache."
-)
+PUSHED = Counter("bootseer_hdfs_fuse_page_cache_pushed_bytes", "Bytes the mount pushed into the kernel's page cache.")
 
 
 @dataclass

@@ -102,8 +102,13 @@ def run(uri: str, mountpoint: Path, config: HdfsFuseConfig, allow_other: bool = 
         try:
             if config.metrics_address:
                 _bind_metrics(config.metrics_address)
-            log.info("mounted", uri=str(location), mountpoint=str(mountpoint), streams=config.streams,
-                     stripe_size=config.stripe_size)
+            log.info(
+                "mounted",
+                uri=str(location),
+                mountpoint=str(mountpoint),
+                streams=config.streams,
+                stripe_size=config.stripe_size,
+            )
             trio.run(_serve, fs, mountpoint, config.kernel_readahead)
         finally:
             fs.close_all()
@@ -117,8 +122,9 @@ def spawn(argv: list[str], mountpoint: Path, log_path: Path) -> int:
     """Run `argv` (a foreground mount) detached; return its PID once mounted."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.monotonic() + MOUNT_WAIT_S
     while mountinfo.current(mountpoint) is None:
         if proc.poll() is not None:

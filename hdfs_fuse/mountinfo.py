@@ -41,9 +41,7 @@ def parse(text: str) -> list[Mount]:
         if not sep or len(fields) < 5 or len(tail) < 2:
             continue
         major, _, minor = fields[2].partition(":")
-        mounts.append(
-            Mount(int(major), int(minor), _unescape(fields[4]), tail[0], _unescape(tail[1]))
-        )
+        mounts.append(Mount(int(major), int(minor), _unescape(fields[4]), tail[0], _unescape(tail[1])))
     return mounts
 
 

@@ -55,8 +55,9 @@ class PageCacheFiller:
         for thread in self._threads:
             thread.start()
 
-    def offer(self, inode: int, start: int, data: bytes | bytearray, stored: Callable[[int], None],
-              wanted: Callable[[], bool]) -> None:
+    def offer(
+        self, inode: int, start: int, data: bytes | bytearray, stored: Callable[[int], None], wanted: Callable[[], bool]
+    ) -> None:
         """Push stripe bytes `data` found at `start`, all but their first page."""
         if self._closed or len(data) <= PAGE:
             return

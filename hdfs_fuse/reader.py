@@ -51,14 +51,9 @@ class Workers:
     """Threads running stripe fetches, most urgent first, FIFO within an urgency."""
 
     def __init__(self, count: int, name: str = "stripe") -> None:
-        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = (
-            queue.PriorityQueue()
-        )
+        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = queue.PriorityQueue()
         self._order = itertools.count()
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
-            for i in range(count)
-        ]
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(count)]
         for thread in self._threads:
             thread.start()
 
@@ -215,9 +210,7 @@ class StripedReader:
                 break
         return wanted, sequential
 
-    def _read_group(
-        self, part: range, offset: int, end: int, buf: memoryview, pattern: ReadAhead
-    ) -> None:
+    def _read_group(self, part: range, offset: int, end: int, buf: memoryview, pattern: ReadAhead) -> None:
         with self._lock:
             wanted, sequential = self._plan(part, pattern)
         for stripe in wanted:
@@ -360,9 +353,7 @@ class StripedReader:
                 if attempt + 1 == attempts:
                     break
                 self.stats.add_retry()
-                delay = backoff_delay(
-                    attempt, self.config.backoff, self.config.backoff_max, random.random()
-                )
+                delay = backoff_delay(attempt, self.config.backoff, self.config.backoff_max, random.random())
                 log.warning(
                     "stripe read failed; retrying",
                     uri=self.uri,
@@ -501,11 +492,7 @@ class Client:
         self.config.validate()
         self.workers = Workers(self.config.streams)
         self.budget = Budget(self.config.memory)
-        self.cache = (
-            DiskCache(Path(self.config.cache_dir), self.config.cache_size)
-            if self.config.cache_dir
-            else None
-        )
+        self.cache = DiskCache(Path(self.config.cache_dir), self.config.cache_size) if self.config.cache_dir else None
         self._backends: dict[tuple[str, str, str], Backend] = {}
         self._lock = threading.Lock()
 
@@ -561,7 +548,7 @@ class Client:
         self.close()
 
 
-def open(uri: str, config: HdfsFuseConfig | None = None) -> StripedFile:  # noqa: A001
+def open(uri: str, config: HdfsFuseConfig | None = None) -> StripedFile:
     """Open `uri` for striped reading with a client of its own."""
     client = Client(config)
     try:

@@ -61,7 +61,7 @@ _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
 def parse_size(text: str) -> int:
-    """"8M", "8MiB", "512k", "1.5G", "4096" -> bytes (binary units)."""
+    """ "8M", "8MiB", "512k", "1.5G", "4096" -> bytes (binary units)."""
     match = _SIZE.match(text)
     if not match:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 512K, 8M, 2G)")
@@ -70,7 +70,7 @@ def parse_size(text: str) -> int:
 
 
 def parse_bool(text: str) -> bool:
-    """"on"/"off", "true"/"false", "yes"/"no", "1"/"0" (any case) -> bool."""
+    """ "on"/"off", "true"/"false", "yes"/"no", "1"/"0" (any case) -> bool."""
     value = text.strip().lower()
     if value in ("on", "true", "yes", "1"):
         return True

@@ -149,12 +149,22 @@ class HotBlocks:
         request = image.request
         manifest = await trio.to_thread.run_sync(self._find_manifest, request)
         if manifest is not None and manifest.image != request.image:
-            log.warning("hot-block manifest ignored: it belongs to another image", image=request.image, manifest_for=manifest.image)
+            log.warning(
+                "hot-block manifest ignored: it belongs to another image",
+                image=request.image,
+                manifest_for=manifest.image,
+            )
             manifest = None
         image.decided = True
         if manifest is not None:
             image.manifest = manifest
-            log.info("prefetching hot blocks", image=request.image, blocks=len(manifest.blocks), bytes=manifest.total_bytes, runs=manifest.runs)
+            log.info(
+                "prefetching hot blocks",
+                image=request.image,
+                blocks=len(manifest.blocks),
+                bytes=manifest.total_bytes,
+                runs=manifest.runs,
+            )
         if manifest is None or request.record:
             self._start_recording(image)
         self._start_prefetches(image)
@@ -215,7 +225,11 @@ class HotBlocks:
             index = layer.reader.index
             blocks = [b for b in prefetch.manifest.blocks if b.layer == layer_digest]
             try:
-                hot.check(HotManifest(prefetch.manifest.image, prefetch.manifest.runs, blocks), image.request.image, {layer_digest: index})
+                hot.check(
+                    HotManifest(prefetch.manifest.image, prefetch.manifest.runs, blocks),
+                    image.request.image,
+                    {layer_digest: index},
+                )
             except ManifestError as exc:
                 log.warning("hot-block manifest ignored", image=image.request.image, reason=str(exc))
                 if image.manifest is prefetch.manifest:
@@ -251,9 +265,11 @@ class HotBlocks:
             prefetch.workers -= 1
         if prefetch.workers == 0 and image.manifest is prefetch.manifest:
             log.info(
-                "hot blocks prefetched", image=image.request.image, blocks=len(prefetch.manifest.blocks),
+                "hot blocks prefetched",
+                image=image.request.image,
+                blocks=len(prefetch.manifest.blocks),
                 seconds=round(time.monotonic() - prefetch.began, 3),
-            )  # fmt: skip
+            )
 
     # -- publishing ---------------------------------------------------------
 
@@ -274,9 +290,17 @@ class HotBlocks:
             log.warning("hot-block manifest kept locally; publishing failed", image=session.image, error=str(exc))
             self.local.put(recorded)
             return
-        log.info("hot-block manifest published", image=session.image, blocks=len(published.blocks), bytes=published.total_bytes, runs=published.runs)
+        log.info(
+            "hot-block manifest published",
+            image=session.image,
+            blocks=len(published.blocks),
+            bytes=published.total_bytes,
+            runs=published.runs,
+        )
 
-    def _publish(self, request: requests.ImageRequest, recorded: HotManifest, indexes: dict[str, LayerIndex]) -> HotManifest:
+    def _publish(
+        self, request: requests.ImageRequest, recorded: HotManifest, indexes: dict[str, LayerIndex]
+    ) -> HotManifest:
         ref = parse_reference(request.ref)
         merged = recorded
         try:
@@ -294,7 +318,9 @@ class HotBlocks:
         data, media_type, digest = self.client.fetch_manifest(ref.with_digest(request.image))
         blob = self.client.push_blob(ref, merged.encode(), media_type=hot.MEDIA_TYPE)
         subject = Descriptor(media_type, digest, len(data))
-        artifact.push(self.client, ref, subject, hot.ARTIFACT_TYPE, [Descriptor(hot.MEDIA_TYPE, blob.digest, blob.size)])
+        artifact.push(
+            self.client, ref, subject, hot.ARTIFACT_TYPE, [Descriptor(hot.MEDIA_TYPE, blob.digest, blob.size)]
+        )
         return merged
 
     def _indexes_of(self, manifest: HotManifest, known: dict[str, LayerIndex]) -> dict[str, LayerIndex]:

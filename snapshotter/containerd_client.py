@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import grpc
@@ -85,7 +85,7 @@ class ContainerdClient:
     def lease(self) -> Iterator[str]:
         """A lease for the duration of a `with` block; it also expires on its
         own (containerd.io/gc.expire) if this process dies first."""
-        expire = (datetime.now(timezone.utc) + LEASE_EXPIRY).strftime("%Y-%m-%dT%H:%M:%SZ")
+        expire = (datetime.now(UTC) + LEASE_EXPIRY).strftime("%Y-%m-%dT%H:%M:%SZ")
         response = self.leases.Create(
             leases_pb2.CreateRequest(labels={"containerd.io/gc.expire": expire}), metadata=self.metadata()
         )
@@ -133,23 +133,37 @@ class ContainerdClient:
                     self.label_content(blob.digest, labels, lease)
                     return False
                 # "ref ... locked": another client is writing the same blob.
-                if code == grpc.StatusCode.UNAVAILABLE and "locked" in (exc.details() or "") and time.monotonic() < deadline:
+                if (
+                    code == grpc.StatusCode.UNAVAILABLE
+                    and "locked" in (exc.details() or "")
+                    and time.monotonic() < deadline
+                ):
                     time.sleep(0.5)
                     continue
                 raise
 
-    def _write(self, ref: str, blob: Blob, chunks: Callable[[], Iterable[bytes]], labels: Mapping[str, str], lease: str | None) -> None:
+    def _write(
+        self, ref: str, blob: Blob, chunks: Callable[[], Iterable[bytes]], labels: Mapping[str, str], lease: str | None
+    ) -> None:
         def requests() -> Iterator[content_pb2.WriteContentRequest]:
             offset = 0
             for data in chunks():
                 yield content_pb2.WriteContentRequest(
-                    action=content_pb2.WRITE, ref=ref, offset=offset, data=data,
-                    total=blob.size, expected=blob.digest,
+                    action=content_pb2.WRITE,
+                    ref=ref,
+                    offset=offset,
+                    data=data,
+                    total=blob.size,
+                    expected=blob.digest,
                 )
                 offset += len(data)
             yield content_pb2.WriteContentRequest(
-                action=content_pb2.COMMIT, ref=ref, offset=offset, total=blob.size,
-                expected=blob.digest, labels=dict(labels),
+                action=content_pb2.COMMIT,
+                ref=ref,
+                offset=offset,
+                total=blob.size,
+                expected=blob.digest,
+                labels=dict(labels),
             )
 
         for _ in self.content.Write(requests(), metadata=self.metadata(lease)):
@@ -169,7 +183,9 @@ class ContainerdClient:
     def prepare_snapshot(
         self, snapshotter: str, key: str, parent: str, labels: Mapping[str, str], lease: str | None
     ) -> list[mount_pb2.Mount]:
-        request = snapshots_pb2.PrepareSnapshotRequest(snapshotter=snapshotter, key=key, parent=parent, labels=dict(labels))
+        request = snapshots_pb2.PrepareSnapshotRequest(
+            snapshotter=snapshotter, key=key, parent=parent, labels=dict(labels)
+        )
         return list(self.snapshots.Prepare(request, metadata=self.metadata(lease)).mounts)
 
     def commit_snapshot(

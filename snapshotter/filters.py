@@ -65,9 +65,7 @@ class _Scanner:
         self.pos = 0
 
     def error(self, message: str) -> InvalidArgument:
-        return InvalidArgument(
-            f"invalid filter {self.text!r} at position {self.pos}: {message}"
-        )
+        return InvalidArgument(f"invalid filter {self.text!r} at position {self.pos}: {message}")
 
     def done(self) -> bool:
         return self.pos >= len(self.text)

@@ -61,9 +61,7 @@ def index_image(
             log.warning("layer cannot be served lazily", layer=layer.digest, reason=str(exc))
             continue
         desc = client.push_blob(ref, encoded, media_type=MEDIA_TYPE)
-        blobs.append(
-            Descriptor(MEDIA_TYPE, desc.digest, desc.size, annotations={LAYER_ANNOTATION: layer.digest})
-        )
+        blobs.append(Descriptor(MEDIA_TYPE, desc.digest, desc.size, annotations={LAYER_ANNOTATION: layer.digest}))
         report.indexed.append(layer.digest)
     if not report.indexed:
         # Nothing new: whatever artifact exists already says all we know.
@@ -72,28 +70,38 @@ def index_image(
     return report
 
 
-def _index_layer(
-    client: RegistryClient, ref: Reference, layer: Descriptor, span: int, show_progress: bool
-) -> bytes:
+def _index_layer(client: RegistryClient, ref: Reference, layer: Descriptor, span: int, show_progress: bool) -> bytes:
     short = layer.digest.split(":")[1][:12]
     with tempfile.TemporaryDirectory(prefix="bootseer-index-") as tmp:
         blob = Path(tmp) / "blob"
+        with (
+            tqdm(
+                total=layer.size,
+                unit="B",
+                unit_scale=True,
+                desc=f"fetch {short}",
+                disable=not show_progress,
+                leave=False,
+            ) as bar,
+            open(blob, "wb") as out,
+        ):
+            client.fetch_blob(ref, layer.digest, out, progress=_advance(bar))
         with tqdm(
-            total=layer.size, unit="B", unit_scale=True, desc=f"fetch {short}",
-            disable=not show_progress, leave=False,
-        ) as bar:  # fmt: skip
-            with open(blob, "wb") as out:
-                client.fetch_blob(ref, layer.digest, out, progress=_advance(bar))
-        with tqdm(
-            total=layer.size, unit="B", unit_scale=True, desc=f"index {short}",
-            disable=not show_progress, leave=False,
-        ) as bar:  # fmt: skip
+            total=layer.size,
+            unit="B",
+            unit_scale=True,
+            desc=f"index {short}",
+            disable=not show_progress,
+            leave=False,
+        ) as bar:
             index = build_index(blob, layer.digest, span=span, progress=_advance(bar))
     log.info(
         "layer indexed",
-        layer=layer.digest, blocks=len(index.blocks), entries=len(index.entries),
+        layer=layer.digest,
+        blocks=len(index.blocks),
+        entries=len(index.entries),
         uncompressed=index.uncompressed_size,
-    )  # fmt: skip
+    )
     return index.encode()
 
 

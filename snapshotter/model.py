@@ -60,8 +60,7 @@ def validate_labels(labels: dict[str, str]) -> None:
         size = len(key.encode()) + len(value.encode())
         if size > MAX_LABEL_BYTES:
             raise InvalidArgument(
-                f"label {key!r} is {size} bytes with its value; "
-                f"containerd allows at most {MAX_LABEL_BYTES}"
+                f"label {key!r} is {size} bytes with its value; containerd allows at most {MAX_LABEL_BYTES}"
             )
 
 

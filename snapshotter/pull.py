@@ -11,28 +11,23 @@ committed, exactly as containerd's own unpacker does.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import os
 import secrets
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import BinaryIO
 
 import grpc
 import structlog
 from tqdm import tqdm
 
-from bootseer.cli import add_common_arguments, load_config
-from snapshotter.containerd_client import DEFAULT_ADDRESS, Blob, ContainerdClient, code_of
-from snapshotter.registry import Descriptor, RegistryClient, RegistryError, ResolvedImage, parse_reference
-from snapshotter.registry.config import client_from_config
-from snapshotter.registry.reference import InvalidReference, Reference
+from snapshotter.containerd_client import Blob, ContainerdClient, code_of
+from snapshotter.registry import Descriptor, RegistryClient, ResolvedImage, parse_reference
+from snapshotter.registry.reference import Reference
 
 log = structlog.get_logger("bootseer.pull")
 
@@ -73,20 +68,25 @@ def image_layers_label(layer_digests: Sequence[str], key: str = LABEL_IMAGE_LAYE
     return value
 
 
-def snapshot_labels(image_ref: str, manifest_digest: str, layers: Sequence[Descriptor], index: int, chain_id: str) -> dict[str, str]:
+def snapshot_labels(
+    image_ref: str, manifest_digest: str, layers: Sequence[Descriptor], index: int, chain_id: str
+) -> dict[str, str]:
     """Labels for Prepare of layer `index`: what a remote snapshotter needs
     to find and serve it, as containerd's CRI plugin sets them."""
     layer = layers[index]
     labels = {
-        key: value for key, value in layer.annotations.items()
+        key: value
+        for key, value in layer.annotations.items()
         if key.startswith(SNAPSHOT_LABEL_PREFIX) and len(key) + len(value) <= LABEL_MAX
     }
-    labels.update({
-        LABEL_SNAPSHOT_REF: chain_id,
-        LABEL_IMAGE_REF: image_ref,
-        LABEL_LAYER_DIGEST: layer.digest,
-        LABEL_MANIFEST_DIGEST: manifest_digest,
-    })
+    labels.update(
+        {
+            LABEL_SNAPSHOT_REF: chain_id,
+            LABEL_IMAGE_REF: image_ref,
+            LABEL_LAYER_DIGEST: layer.digest,
+            LABEL_MANIFEST_DIGEST: manifest_digest,
+        }
+    )
     layer_list = image_layers_label([d.digest for d in layers[index:]])
     if layer_list:
         labels[LABEL_IMAGE_LAYERS] = layer_list
@@ -121,8 +121,10 @@ def diff_ids_of(config: bytes, layer_count: int) -> list[str]:
     except (ValueError, KeyError, TypeError):
         raise PullError("the image config has no rootfs.diff_ids; it is not a runnable image") from None
     if not isinstance(diff_ids, list) or len(diff_ids) != layer_count or not all(isinstance(d, str) for d in diff_ids):
-        raise PullError(f"the image config lists {len(diff_ids) if isinstance(diff_ids, list) else 'no'} "
-                        f"diff_ids for {layer_count} layers; the image is broken")
+        raise PullError(
+            f"the image config lists {len(diff_ids) if isinstance(diff_ids, list) else 'no'} "
+            f"diff_ids for {layer_count} layers; the image is broken"
+        )
     return diff_ids
 
 
@@ -158,9 +160,14 @@ class LayerProgress:
 
     def __init__(self, index: int, count: int, layer: Descriptor, enabled: bool | None) -> None:
         # enabled None: a bar only on a terminal (tqdm's own rule).
-        self.bar = tqdm(total=layer.size, desc=f"layer {index + 1}/{count} {layer.digest[7:19]}",
-                        unit="B", unit_scale=True, file=sys.stderr,
-                        disable=None if enabled is None else not enabled)
+        self.bar = tqdm(
+            total=layer.size,
+            desc=f"layer {index + 1}/{count} {layer.digest[7:19]}",
+            unit="B",
+            unit_scale=True,
+            file=sys.stderr,
+            disable=None if enabled is None else not enabled,
+        )
 
     def advance(self, n: int) -> None:
         self.bar.update(n)
@@ -173,8 +180,13 @@ class LayerProgress:
 
 
 class Puller:
-    def __init__(self, registry: RegistryClient, containerd: ContainerdClient, snapshotter: str = DEFAULT_SNAPSHOTTER,
-                 progress: bool | None = None) -> None:
+    def __init__(
+        self,
+        registry: RegistryClient,
+        containerd: ContainerdClient,
+        snapshotter: str = DEFAULT_SNAPSHOTTER,
+        progress: bool | None = None,
+    ) -> None:
         self.registry = registry
         self.containerd = containerd
         self.snapshotter = snapshotter
@@ -193,13 +205,18 @@ class Puller:
         with self.containerd.lease() as lease:
             cfg = image.manifest.config
             self.containerd.write_content(
-                f"config-{cfg.digest}", Blob(cfg.media_type, cfg.digest, cfg.size), lambda: [config],
-                config_labels(image, self.snapshotter, chains[-1] if chains else ""), lease,
+                f"config-{cfg.digest}",
+                Blob(cfg.media_type, cfg.digest, cfg.size),
+                lambda: [config],
+                config_labels(image, self.snapshotter, chains[-1] if chains else ""),
+                lease,
             )
             self.containerd.write_content(
                 f"manifest-{image.manifest_digest}",
                 Blob(image.media_type, image.manifest_digest, len(image.manifest_bytes)),
-                lambda: [image.manifest_bytes], manifest_labels(image), lease,
+                lambda: [image.manifest_bytes],
+                manifest_labels(image),
+                lease,
             )
             for i, layer in enumerate(layers):
                 bar = LayerProgress(i, len(layers), layer, self.progress)
@@ -210,8 +227,9 @@ class Puller:
             self.containerd.put_image(name, Blob(image.media_type, image.manifest_digest, len(image.manifest_bytes)))
         return result
 
-    def _layer(self, image: ResolvedImage, i: int, chains: list[str], diff_id: str, lease: str,
-               bar: LayerProgress) -> LayerResult:
+    def _layer(
+        self, image: ResolvedImage, i: int, chains: list[str], diff_id: str, lease: str, bar: LayerProgress
+    ) -> LayerResult:
         layer = image.manifest.layers[i]
         chain_id, parent = chains[i], chains[i - 1] if i else ""
         if self.containerd.stat_snapshot(self.snapshotter, chain_id) is not None:
@@ -226,15 +244,19 @@ class Puller:
             # The snapshotter made the layer available remotely (or another
             # pull committed it meanwhile); either way containerd must now know it.
             if self.containerd.stat_snapshot(self.snapshotter, chain_id) is None:
-                raise PullError(f"snapshotter {self.snapshotter!r} answered ALREADY_EXISTS for layer {layer.digest} "
-                                f"but snapshot {chain_id} does not exist; check the snapshotter's log") from None
+                raise PullError(
+                    f"snapshotter {self.snapshotter!r} answered ALREADY_EXISTS for layer {layer.digest} "
+                    f"but snapshot {chain_id} does not exist; check the snapshotter's log"
+                ) from None
             return LayerResult(layer.digest, chain_id, "remote")
         try:
             fetched = self._ensure_blob(image, layer, diff_id, lease, bar)
             applied = self.containerd.apply(Blob(layer.media_type, layer.digest, layer.size), mounts, lease)
             if applied.digest != diff_id:
-                raise PullError(f"layer {layer.digest} unpacked to {applied.digest}, but the config says {diff_id}; "
-                                "the image is corrupt")
+                raise PullError(
+                    f"layer {layer.digest} unpacked to {applied.digest}, but the config says {diff_id}; "
+                    "the image is corrupt"
+                )
             try:
                 self.containerd.commit_snapshot(self.snapshotter, chain_id, key, labels, lease)
             except grpc.RpcError as exc:
@@ -247,7 +269,9 @@ class Puller:
             raise
         return LayerResult(layer.digest, chain_id, "fetched", fetched)
 
-    def _ensure_blob(self, image: ResolvedImage, layer: Descriptor, diff_id: str, lease: str, bar: LayerProgress) -> int:
+    def _ensure_blob(
+        self, image: ResolvedImage, layer: Descriptor, diff_id: str, lease: str, bar: LayerProgress
+    ) -> int:
         """Put the layer blob in the content store unless it is there; returns bytes fetched."""
         key, value = source_label(image.ref)
         labels = {LABEL_UNCOMPRESSED: diff_id, key: value}
@@ -267,58 +291,12 @@ class Puller:
             self.containerd.remove_snapshot(self.snapshotter, key)
         except grpc.RpcError as exc:
             if code_of(exc) != grpc.StatusCode.NOT_FOUND:
-                log.warning("pull.cleanup_failed", key=key, error=exc.details() if isinstance(exc, grpc.Call) else str(exc))
+                log.warning(
+                    "pull.cleanup_failed", key=key, error=exc.details() if isinstance(exc, grpc.Call) else str(exc)
+                )
 
 
 def _chunks(spool: BinaryIO, size: int = 1 << 20) -> Iterator[bytes]:
     spool.seek(0)
     while chunk := spool.read(size):
         yield chunk
-
-
-# -- CLI ---------------------------------------------------------------------
-
-
-def _run(args: argparse.Namespace) -> int:
-    cfg = load_config(args)
-    try:
-        with client_from_config(cfg.registry, args.plain_http, args.hosts_dir, args.docker_config) as registry, \
-                ContainerdClient(args.address, args.namespace) as containerd:
-            result = Puller(registry, containerd, args.snapshotter).pull(args.image, args.platform)
-    except (InvalidReference, RegistryError, PullError, ValueError) as exc:
-        print(f"bootseer pull: {exc}", file=sys.stderr)
-        return 1
-    except grpc.RpcError as exc:
-        detail = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-        print(f"bootseer pull: containerd at {args.address}: {detail}", file=sys.stderr)
-        return 1
-    counts = {how: sum(1 for layer in result.layers if layer.how == how) for how in ("remote", "fetched", "present")}
-    print(f"{result.name}: {result.manifest_digest} ({counts['remote']} remote, {counts['fetched']} fetched, "
-          f"{counts['present']} already present; {result.fetched_bytes} bytes fetched)")
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "pull",
-        help="pull an image into containerd, lazily where the snapshotter can",
-        description=(
-            "Pull IMAGE into containerd through its content, leases, snapshots, diff and images "
-            "services, adding the labels a remote snapshotter needs to serve layers lazily. "
-            "Afterwards `ctr run --snapshotter SNAPSHOTTER IMAGE ...` works as after `ctr images pull`."
-        ),
-    )
-    add_common_arguments(parser)
-    parser.add_argument("image", help="image reference, e.g. registry.example.com/team/train:v1")
-    parser.add_argument("--address", type=Path, default=Path(os.environ.get("CONTAINERD_ADDRESS", DEFAULT_ADDRESS)),
-                        help=f"containerd's socket (default $CONTAINERD_ADDRESS or {DEFAULT_ADDRESS})")
-    parser.add_argument("--namespace", "-n", default=os.environ.get("CONTAINERD_NAMESPACE", "default"),
-                        help="containerd namespace (default $CONTAINERD_NAMESPACE or 'default')")
-    parser.add_argument("--plain-http", action="store_true", help="talk HTTP, not HTTPS, to the registry")
-    parser.add_argument("--platform", help="OS/ARCH[/VARIANT] to pick from a multi-platform image (default: this host)")
-    parser.add_argument("--snapshotter", default=DEFAULT_SNAPSHOTTER, help=f"snapshotter to unpack into (default {DEFAULT_SNAPSHOTTER})")
-    parser.add_argument("--hosts-dir", type=Path, default=None,
-                        help="containerd-style certs.d directory with <host>/hosts.toml (default: the config's registry.config_path)")
-    parser.add_argument("--docker-config", type=Path, default=None,
-                        help="docker config.json with registry credentials (default $DOCKER_CONFIG/config.json or ~/.docker/config.json)")
-    parser.set_defaults(func=_run)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import io
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +28,8 @@ from snapshotter.layer.index import ARTIFACT_TYPE, IndexFormatError, LayerIndex
 from snapshotter.model import Snapshot
 from snapshotter.registry import artifact
 from snapshotter.registry.media import Descriptor
-from snapshotter.registry.reference import Reference, parse as parse_reference
+from snapshotter.registry.reference import Reference
+from snapshotter.registry.reference import parse as parse_reference
 
 if TYPE_CHECKING:
     from snapshotter.registry.client import RegistryClient
@@ -200,5 +201,3 @@ class RemoteLayers:
         with self._lock:
             self._artifacts[manifest_digest] = blobs
         return blobs
-
-

@@ -13,15 +13,17 @@ import grpc
 import prometheus_client
 import structlog
 
-from bootseer.config import Config
 from proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc
 from snapshotter.fs.layers import LayerStore
+from snapshotter.fs.settings import FsConfig
+from snapshotter.registry.settings import RegistryConfig
 from snapshotter.remote import RemoteLayers
+from snapshotter.service import SnapshotsService
+from snapshotter.settings import SnapshotterConfig
+from snapshotter.snapshots import Snapshotter
 
 if TYPE_CHECKING:
     from snapshotter.registry.client import RegistryClient
-from snapshotter.service import SnapshotsService
-from snapshotter.snapshots import Snapshotter
 
 log = structlog.get_logger("bootseer.snapshotter")
 
@@ -46,22 +48,21 @@ def _prepare_socket(path: Path) -> None:
         raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
 
 
-def _remote_layers(config: Config) -> RemoteLayers | None:
-    if not config.snapshotter.lazy:
+def _remote_layers(config: SnapshotterConfig, fs: FsConfig, registry: RegistryConfig) -> RemoteLayers | None:
+    if not config.lazy:
         return None
 
     def client() -> RegistryClient:
         from snapshotter.registry.config import client_from_config
 
-        return client_from_config(config.registry)
+        return client_from_config(registry)
 
-    return RemoteLayers(LayerStore(config.fs.store), config.fs.mountpoint, client, config.fs.layer_gc_grace_s)
+    return RemoteLayers(LayerStore(fs.store), fs.mountpoint, client, fs.layer_gc_grace_s)
 
 
-def serve(full_config: Config) -> None:
+def serve(config: SnapshotterConfig, fs: FsConfig, registry: RegistryConfig) -> None:
     """Serve until SIGTERM or SIGINT."""
-    config = full_config.snapshotter
-    snapshotter = Snapshotter(config.root, _remote_layers(full_config))
+    snapshotter = Snapshotter(config.root, _remote_layers(config, fs, registry))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS))
     pb_grpc.add_SnapshotsServicer_to_server(SnapshotsService(snapshotter), server)
     _prepare_socket(config.address)

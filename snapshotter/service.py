@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import functools
 import time
-from contextlib import contextmanager
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import grpc
@@ -75,10 +75,7 @@ def _stream_rpc(method: Callable[..., Iterator[R]]) -> Callable[..., Iterator[R]
 
 
 def _mounts_pb(mounts: list[Mount]) -> list[mount_pb2.Mount]:
-    return [
-        mount_pb2.Mount(type=m.type, source=m.source, target=m.target, options=m.options)
-        for m in mounts
-    ]
+    return [mount_pb2.Mount(type=m.type, source=m.source, target=m.target, options=m.options) for m in mounts]
 
 
 def _timestamp(ns: int) -> timestamp_pb2.Timestamp:
@@ -132,13 +129,13 @@ class SnapshotsService(pb_grpc.SnapshotsServicer):
 
     @_rpc
     def Update(self, request: pb.UpdateSnapshotRequest, context: grpc.ServicerContext) -> pb.UpdateSnapshotResponse:
-        snap = self.snapshotter.update(
-            request.info.name, dict(request.info.labels), list(request.update_mask.paths)
-        )
+        snap = self.snapshotter.update(request.info.name, dict(request.info.labels), list(request.update_mask.paths))
         return pb.UpdateSnapshotResponse(info=info_pb(snap))
 
     @_stream_rpc
-    def List(self, request: pb.ListSnapshotsRequest, context: grpc.ServicerContext) -> Iterator[pb.ListSnapshotsResponse]:
+    def List(
+        self, request: pb.ListSnapshotsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ListSnapshotsResponse]:
         batch: list[pb.Info] = []
         for snap in self.snapshotter.list(list(request.filters)):
             batch.append(info_pb(snap))

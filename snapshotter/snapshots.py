@@ -105,9 +105,14 @@ class Snapshotter:
 
         validate_labels(labels)
         self._insert(
-            Kind.COMMITTED, name, parent, labels, populate,
-            size=lazy.index.uncompressed_size, inodes=len(lazy.index.entries),
-        )  # fmt: skip
+            Kind.COMMITTED,
+            name,
+            parent,
+            labels,
+            populate,
+            size=lazy.index.uncompressed_size,
+            inodes=len(lazy.index.entries),
+        )
 
     def view(self, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
         return self._create(Kind.VIEW, key, parent, labels)
@@ -196,9 +201,7 @@ class Snapshotter:
     def _mounts(self, txn: Txn, snap: Snapshot) -> list[Mount]:
         lowers = [str(self.fs_path(p)) for p in txn.ancestors(snap)]
         own = self._dir(snap.id)
-        return snapshot_mounts(
-            snap.kind, str(own / "fs"), str(own / "work"), lowers, self.overlay_options
-        )
+        return snapshot_mounts(snap.kind, str(own / "fs"), str(own / "work"), lowers, self.overlay_options)
 
     def stat(self, key: str) -> Snapshot:
         with self.store.read() as txn:
@@ -237,8 +240,7 @@ class Snapshotter:
             active = self.stat(key)
             if active.kind != Kind.ACTIVE:
                 raise FailedPrecondition(
-                    f"snapshot {key!r} is a {active.kind.filter_name} snapshot; "
-                    "only active snapshots can be committed"
+                    f"snapshot {key!r} is a {active.kind.filter_name} snapshot; only active snapshots can be committed"
                 )
             # Measured outside the transaction: nothing writes to it any more.
             used = disk_usage(self.fs_path(active))

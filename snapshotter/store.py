@@ -67,10 +67,7 @@ class Txn:
         while parent_key:
             parent = self.get(parent_key)
             if parent is None:
-                raise RuntimeError(
-                    f"metadata store is inconsistent: {snap.key!r} has missing ancestor "
-                    f"{parent_key!r}"
-                )
+                raise RuntimeError(f"metadata store is inconsistent: {snap.key!r} has missing ancestor {parent_key!r}")
             chain.append(parent)
             parent_key = parent.parent
         return chain
@@ -91,9 +88,7 @@ class MetadataStore:
         path.mkdir(parents=True, exist_ok=True)
         # sync/metasync stay on: durability across kill -9 and power loss is the point.
         self._env = lmdb.open(str(path), map_size=map_size, max_dbs=4)
-        self._dbs = {
-            name: self._env.open_db(name.encode()) for name in ("snapshots", "children", "meta")
-        }
+        self._dbs = {name: self._env.open_db(name.encode()) for name in ("snapshots", "children", "meta")}
 
     @contextmanager
     def read(self) -> Iterator[Txn]:

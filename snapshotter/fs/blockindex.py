@@ -43,9 +43,14 @@ class BlockIndex:
 
     def put(self, layer: str, number: int, record: BlockRecord) -> None:
         value = _RECORD.pack(
-            record.cstart, record.cend, record.ustart, record.uend, record.cache_offset,
-            record.state, record.crc32,
-        )  # fmt: skip
+            record.cstart,
+            record.cend,
+            record.ustart,
+            record.uend,
+            record.cache_offset,
+            record.state,
+            record.crc32,
+        )
         with self._env.begin(write=True) as txn:
             txn.put(_key(layer, number), value)
 

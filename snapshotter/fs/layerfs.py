@@ -19,9 +19,9 @@ import pyfuse3
 import structlog
 import trio
 
+from recorder.requests import CONTROL_PREFIX
 from snapshotter.fs.background import BackgroundFetch
 from snapshotter.fs.blockindex import BlockIndex
-from recorder.requests import CONTROL_PREFIX
 from snapshotter.fs.layers import CACHE, LayerSource, LayerStore, layer_name
 from snapshotter.fs.reader import BlockUnavailable, LayerReader, Origin, RangeFetcher
 from snapshotter.layer.tree import ROOT, LayerTree, Node, build_tree
@@ -78,9 +78,7 @@ class LayerFS(pyfuse3.Operations):
         self.prefetch_limiter = trio.CapacityLimiter(prefetch_parallel)
         self.background_limiter = trio.CapacityLimiter(1)
         # Whole layers fetched in the background when a bandwidth is given.
-        self.background = (
-            BackgroundFetch(background_bandwidth, self.limiter) if background_bandwidth > 0 else None
-        )
+        self.background = BackgroundFetch(background_bandwidth, self.limiter) if background_bandwidth > 0 else None
         # Layers this small (compressed) are fetched whole once loaded.
         self.whole_layer_bytes = whole_layer_bytes
         self.load_lock = trio.Lock()
@@ -125,7 +123,9 @@ class LayerFS(pyfuse3.Operations):
         try:
             await layer.reader.ensure(range(len(layer.reader.index.blocks)), Origin.READAHEAD)
         except BlockUnavailable as exc:
-            log.warning("could not fetch a small layer whole; its reads fetch what they need", layer=layer.name, error=str(exc))
+            log.warning(
+                "could not fetch a small layer whole; its reads fetch what they need", layer=layer.name, error=str(exc)
+            )
 
     def _load(self, name: str) -> _Layer:
         index, source = self.store.load(name)
@@ -191,7 +191,9 @@ class LayerFS(pyfuse3.Operations):
             return self._root_attr()
         return self._attr(*self._resolve(inode))
 
-    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
+    ) -> pyfuse3.EntryAttributes:
         if parent_inode == pyfuse3.ROOT_INODE:
             text = os.fsdecode(name)
             if text.startswith(CONTROL_PREFIX):

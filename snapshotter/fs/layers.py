@@ -123,6 +123,4 @@ class LayerStore:
     def names(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(
-            p.name for p in self.root.iterdir() if not p.name.startswith(".") and (p / INDEX).exists()
-        )
+        return sorted(p.name for p in self.root.iterdir() if not p.name.startswith(".") and (p / INDEX).exists())

@@ -24,9 +24,7 @@ FETCH_SECONDS = Histogram(
     "Time of one Range request to the registry.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
-VERIFY_FAILURES = Counter(
-    "bootseer_fs_verify_failures", "Blocks whose fetched bytes did not match the index."
-)
+VERIFY_FAILURES = Counter("bootseer_fs_verify_failures", "Blocks whose fetched bytes did not match the index.")
 FETCH_ERRORS = Counter("bootseer_fs_fetch_errors", "Block fetches that failed for good (EIO).")
 BACKGROUND_BYTES = Counter(
     "bootseer_fs_background_bytes", "Compressed bytes fetched by the background whole-layer fetch."

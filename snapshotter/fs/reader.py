@@ -219,8 +219,11 @@ class LayerReader:
                     metrics.VERIFY_FAILURES.inc()
                     log.warning(
                         "fetched block failed verification",
-                        layer=self.name, blocks=remaining, attempt=attempt, error=str(exc),
-                    )  # fmt: skip
+                        layer=self.name,
+                        blocks=remaining,
+                        attempt=attempt,
+                        error=str(exc),
+                    )
                     if attempt == VERIFY_ATTEMPTS:
                         raise
         except Exception as exc:
@@ -285,7 +288,12 @@ class LayerReader:
         data = self.decoder.decode(number, compressed)
         os.pwrite(self.fd, data, block.ustart)
         record = BlockRecord(
-            block.cstart, block.cend, block.ustart, block.uend, block.ustart,
-            BlockState.CACHED, zlib.crc32(data),
-        )  # fmt: skip
+            block.cstart,
+            block.cend,
+            block.ustart,
+            block.uend,
+            block.ustart,
+            BlockState.CACHED,
+            zlib.crc32(data),
+        )
         self.block_index.put(self.cache_key, number, record)

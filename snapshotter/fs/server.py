@@ -18,7 +18,6 @@ import pyfuse3
 import structlog
 import trio
 
-from bootseer.config import FsConfig, RegistryConfig
 from hdfs_fuse.mount import set_kernel_readahead
 from recorder.localstore import LocalManifests
 from recorder.tracker import HotBlocks, HotBlockSettings
@@ -26,8 +25,10 @@ from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.fs.layerfs import LayerFS
 from snapshotter.fs.layers import LayerSource, LayerStore
 from snapshotter.fs.reader import RangeFetcher
+from snapshotter.fs.settings import FsConfig
 from snapshotter.registry.config import client_from_config
 from snapshotter.registry.reference import parse as parse_reference
+from snapshotter.registry.settings import RegistryConfig
 
 log = structlog.get_logger("bootseer.fs")
 
@@ -68,9 +69,14 @@ def serve(fs: FsConfig, registry: RegistryConfig) -> None:
         return lambda start, end: client.fetch_range(ref, source.digest, start, end)
 
     ops = LayerFS(
-        store, block_index, fetcher_for, fs.max_parallel_fetches, fs.prefetch_parallel,
-        fs.background_bandwidth if fs.background_fetch else 0, fs.whole_layer_bytes,
-    )  # fmt: skip
+        store,
+        block_index,
+        fetcher_for,
+        fs.max_parallel_fetches,
+        fs.prefetch_parallel,
+        fs.background_bandwidth if fs.background_fetch else 0,
+        fs.whole_layer_bytes,
+    )
     local = LocalManifests(fs.store / "hot.lmdb")
     hot = (
         HotBlocks(

@@ -87,9 +87,7 @@ def build_index(
     return index
 
 
-def _gzip_bounds(
-    points: list[tuple[int, int]], csize: int, usize: int
-) -> list[tuple[int, int, int, int]]:
+def _gzip_bounds(points: list[tuple[int, int]], csize: int, usize: int) -> list[tuple[int, int, int, int]]:
     """(cstart, cend, ustart, uend) per block from (uncompressed, compressed)
     checkpoints. A checkpoint may start mid-byte, so a block also takes the byte
     before it and the byte after its end; the first block takes the gzip header."""

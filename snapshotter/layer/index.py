@@ -140,9 +140,7 @@ class LayerIndex:
         if not data.startswith(MAGIC):
             raise IndexFormatError("not a bootseer layer index (bad magic)")
         try:
-            payload = zstandard.ZstdDecompressor().decompress(
-                data[len(MAGIC) :], max_output_size=MAX_DECODED
-            )
+            payload = zstandard.ZstdDecompressor().decompress(data[len(MAGIC) :], max_output_size=MAX_DECODED)
             (length,) = struct.unpack(">I", payload[:4])
             doc = json.loads(payload[4 : 4 + length])
         except (zstandard.ZstdError, struct.error, ValueError) as exc:
@@ -223,9 +221,19 @@ def _is_normalized(name: str) -> bool:
 def _entry_row(e: Entry) -> list[object]:
     xattrs = {k: base64.b64encode(v).decode() for k, v in e.xattrs.items()}
     return [
-        e.name, e.type.value, e.mode, e.uid, e.gid, e.mtime, e.size, e.offset,
-        e.linkname, e.devmajor, e.devminor, xattrs,
-    ]  # fmt: skip
+        e.name,
+        e.type.value,
+        e.mode,
+        e.uid,
+        e.gid,
+        e.mtime,
+        e.size,
+        e.offset,
+        e.linkname,
+        e.devmajor,
+        e.devminor,
+        xattrs,
+    ]
 
 
 _ENTRY_TYPES = {t.value: t for t in EntryType}
@@ -238,7 +246,16 @@ def _row_entry(row: list[Any]) -> Entry:
     ):
         raise ValueError(f"malformed entry row {row!r}")
     return Entry(
-        str(name), _ENTRY_TYPES[etype], mode, uid, gid, float(mtime), size, offset,
-        str(linkname), major, minor,
+        str(name),
+        _ENTRY_TYPES[etype],
+        mode,
+        uid,
+        gid,
+        float(mtime),
+        size,
+        offset,
+        str(linkname),
+        major,
+        minor,
         {str(k): base64.b64decode(v) for k, v in xattrs.items()} if xattrs else {},
-    )  # fmt: skip
+    )

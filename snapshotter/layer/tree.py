@@ -164,11 +164,7 @@ def build_tree(entries: list[Entry]) -> LayerTree:
             size=entry.size,
             offset=entry.offset,
             target=_encode(entry.linkname) if entry.type == EntryType.SYMLINK else b"",
-            rdev=(
-                os.makedev(entry.devmajor, entry.devminor)
-                if entry.type in (EntryType.CHAR, EntryType.BLOCK)
-                else 0
-            ),
+            rdev=(os.makedev(entry.devmajor, entry.devminor) if entry.type in (EntryType.CHAR, EntryType.BLOCK) else 0),
             xattrs=dict(entry.xattrs),
             children={} if entry.type == EntryType.DIR else None,
         )

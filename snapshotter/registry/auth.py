@@ -65,9 +65,7 @@ def parse_challenges(header: str) -> list[Challenge]:
             if not param or param.end() == pos:
                 break
             quoted, bare = param.group(2), param.group(3)
-            params[param.group(1).lower()] = (
-                re.sub(r"\\(.)", r"\1", quoted) if quoted is not None else bare or ""
-            )
+            params[param.group(1).lower()] = re.sub(r"\\(.)", r"\1", quoted) if quoted is not None else bare or ""
             pos = param.end()
         challenges.append(Challenge(scheme, params))
     return challenges

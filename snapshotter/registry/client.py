@@ -323,7 +323,9 @@ class RegistryClient:
                         repository=ref.repository,
                     ) from None
                 RETRIES.labels("transport").inc()
-                log.info("registry.retry", host=ref.domain, repository=ref.repository, attempt=attempt + 1, reason=last_error)
+                log.info(
+                    "registry.retry", host=ref.domain, repository=ref.repository, attempt=attempt + 1, reason=last_error
+                )
                 self._sleep_before_retry(attempt, None)
                 attempt += 1
                 continue
@@ -333,8 +335,11 @@ class RegistryClient:
                 response.close()
                 redirects += 1
                 if redirects > MAX_REDIRECTS:
-                    raise ServerError(f"more than {MAX_REDIRECTS} redirects for {method} {path_or_url}",
-                                      host=ref.domain, repository=ref.repository)
+                    raise ServerError(
+                        f"more than {MAX_REDIRECTS} redirects for {method} {path_or_url}",
+                        host=ref.domain,
+                        repository=ref.repository,
+                    )
                 url = urljoin(str(response.url), response.headers["Location"])
                 continue
             if status == 401 and not foreign and not authenticated:
@@ -363,7 +368,9 @@ class RegistryClient:
                         repository=ref.repository,
                     )
                 RETRIES.labels(str(status)).inc()
-                log.info("registry.retry", host=ref.domain, repository=ref.repository, attempt=attempt + 1, reason=last_error)
+                log.info(
+                    "registry.retry", host=ref.domain, repository=ref.repository, attempt=attempt + 1, reason=last_error
+                )
                 self._sleep_before_retry(attempt, response)
                 attempt += 1
                 continue
@@ -376,8 +383,9 @@ class RegistryClient:
             for chunk in response.iter_bytes():
                 body += chunk
                 if len(body) > MAX_MANIFEST_BYTES:
-                    raise ServerError(f"{what} is larger than {MAX_MANIFEST_BYTES} bytes",
-                                      host=ref.domain, repository=ref.repository)
+                    raise ServerError(
+                        f"{what} is larger than {MAX_MANIFEST_BYTES} bytes", host=ref.domain, repository=ref.repository
+                    )
         finally:
             response.close()
         return bytes(body)
@@ -408,10 +416,14 @@ class RegistryClient:
         if response.status_code == 404:
             return NotFound(f"{what} not found", host=ref.domain, repository=ref.repository)
         if response.status_code == 403:
-            return Unauthorized(f"{what}: access denied (403); check the account's permissions",
-                                host=ref.domain, repository=ref.repository)
-        return ServerError(f"{what}: unexpected HTTP {response.status_code} {detail}",
-                           host=ref.domain, repository=ref.repository)
+            return Unauthorized(
+                f"{what}: access denied (403); check the account's permissions",
+                host=ref.domain,
+                repository=ref.repository,
+            )
+        return ServerError(
+            f"{what}: unexpected HTTP {response.status_code} {detail}", host=ref.domain, repository=ref.repository
+        )
 
     # -- manifests ----------------------------------------------------------
 
@@ -422,8 +434,13 @@ class RegistryClient:
         capability = "pull" if ref.digest else "resolve"
 
         def call(endpoint: Endpoint) -> tuple[bytes, str, str]:
-            response = self._send(endpoint, ref, "GET", f"/{ref.repository}/manifests/{ref.object}",
-                                  headers={"Accept": ", ".join(media.MANIFEST_ACCEPT)})
+            response = self._send(
+                endpoint,
+                ref,
+                "GET",
+                f"/{ref.repository}/manifests/{ref.object}",
+                headers={"Accept": ", ".join(media.MANIFEST_ACCEPT)},
+            )
             if response.status_code != 200:
                 raise self._unexpected(response, f"manifest {ref.object}", ref)
             data = self._read_small(response, f"manifest {ref.object}", ref)
@@ -431,8 +448,11 @@ class RegistryClient:
             digest = media.digest_of(data, algorithm)
             expected = ref.digest or response.headers.get("Docker-Content-Digest", "")
             if expected and expected.partition(":")[0] == algorithm and expected != digest:
-                raise DigestMismatch(f"manifest {ref.object}: got {digest}, expected {expected}; "
-                                     "a proxy or mirror altered it", host=ref.domain, repository=ref.repository)
+                raise DigestMismatch(
+                    f"manifest {ref.object}: got {digest}, expected {expected}; a proxy or mirror altered it",
+                    host=ref.domain,
+                    repository=ref.repository,
+                )
             try:
                 media_type = media.detect_media_type(data, response.headers.get("Content-Type", ""))
             except media.InvalidManifest as exc:
@@ -453,23 +473,32 @@ class RegistryClient:
                 try:
                     chosen = media.select_platform(parsed, wanted)
                 except LookupError as exc:
-                    raise NotFound(f"{exc}; pick one with --platform", host=ref.domain,
-                                   repository=ref.repository) from None
+                    raise NotFound(
+                        f"{exc}; pick one with --platform", host=ref.domain, repository=ref.repository
+                    ) from None
                 data, media_type, digest = self.fetch_manifest(ref.with_digest(chosen.digest))
                 parsed = media.parse(data, media_type)
         except media.InvalidManifest as exc:
             raise ServerError(f"{ref.object}: {exc}", host=ref.domain, repository=ref.repository) from None
         if not isinstance(parsed, Manifest) or media_type not in media.IMAGE_MANIFESTS:
-            raise ServerError(f"{ref.object} is a {media_type}, not an image manifest",
-                              host=ref.domain, repository=ref.repository)
+            raise ServerError(
+                f"{ref.object} is a {media_type}, not an image manifest", host=ref.domain, repository=ref.repository
+            )
         return ResolvedImage(ref, digest, data, media_type, parsed, wanted, index_digest)
 
     def _put_manifest(self, ref: Reference, data: bytes, media_type: str, target: str) -> tuple[str, httpx.Headers]:
         digest = media.digest_of(data)
 
         def call(endpoint: Endpoint) -> tuple[str, httpx.Headers]:
-            response = self._send(endpoint, ref, "PUT", f"/{ref.repository}/manifests/{target}",
-                                  actions="pull,push", headers={"Content-Type": media_type}, content=data)
+            response = self._send(
+                endpoint,
+                ref,
+                "PUT",
+                f"/{ref.repository}/manifests/{target}",
+                actions="pull,push",
+                headers={"Content-Type": media_type},
+                content=data,
+            )
             if response.status_code not in (200, 201, 202):
                 raise self._unexpected(response, f"pushing manifest {target}", ref)
             response.close()
@@ -516,7 +545,9 @@ class RegistryClient:
         for attempt in range(self.retries + 1):
             hasher = hashlib.new(algorithm)
             transfer.delivered = 0
-            self._over_endpoints(ref, "pull", lambda ep: self._stream_blob(ep, ref, digest, dest, hasher, transfer, progress), transfer)
+            self._over_endpoints(
+                ref, "pull", lambda ep: self._stream_blob(ep, ref, digest, dest, hasher, transfer, progress), transfer
+            )
             got = f"{algorithm}:{hasher.hexdigest()}"
             if got == digest:
                 return
@@ -524,7 +555,8 @@ class RegistryClient:
             if start is None or attempt == self.retries:
                 raise DigestMismatch(
                     f"blob {digest}: received bytes hash to {got}; the registry or a proxy corrupted it",
-                    host=ref.domain, repository=ref.repository,
+                    host=ref.domain,
+                    repository=ref.repository,
                 )
             log.warning("registry.digest_mismatch", host=ref.domain, repository=ref.repository, digest=digest)
             dest.seek(start)
@@ -552,8 +584,9 @@ class RegistryClient:
             skip = transfer.delivered if response.status_code == 200 else 0
             if response.status_code == 206 and _content_range_start(response) != transfer.delivered:
                 response.close()
-                raise ServerError(f"blob {digest}: registry resumed at the wrong offset",
-                                  host=ref.domain, repository=ref.repository)
+                raise ServerError(
+                    f"blob {digest}: registry resumed at the wrong offset", host=ref.domain, repository=ref.repository
+                )
             try:
                 for chunk in response.iter_raw():
                     if skip:
@@ -574,11 +607,18 @@ class RegistryClient:
                     raise Unreachable(
                         f"blob {digest}: transfer kept breaking ({type(exc).__name__}) after "
                         f"{transfer.delivered} bytes; check the network to the registry",
-                        host=ref.domain, repository=ref.repository,
+                        host=ref.domain,
+                        repository=ref.repository,
                     ) from None
                 RETRIES.labels("body").inc()
-                log.info("registry.resume", host=ref.domain, repository=ref.repository,
-                         digest=digest, offset=transfer.delivered, reason=type(exc).__name__)
+                log.info(
+                    "registry.resume",
+                    host=ref.domain,
+                    repository=ref.repository,
+                    digest=digest,
+                    offset=transfer.delivered,
+                    reason=type(exc).__name__,
+                )
                 self._sleep_before_retry(failures - 1, None)
             finally:
                 response.close()
@@ -612,7 +652,8 @@ class RegistryClient:
                         raise Unreachable(
                             f"blob {digest} range [{offset}, {end}): transfer kept breaking "
                             f"({type(exc).__name__}); check the network to the registry",
-                            host=ref.domain, repository=ref.repository,
+                            host=ref.domain,
+                            repository=ref.repository,
                         ) from None
                     RETRIES.labels("body").inc()
                     self._sleep_before_retry(failures - 1, None)
@@ -622,20 +663,29 @@ class RegistryClient:
         # continues from what `buffer` already holds.
         return self._over_endpoints(ref, "pull", call)  # type: ignore[return-value]
 
-    def _read_range(self, endpoint: Endpoint, ref: Reference, digest: str, offset: int, end: int, buffer: bytearray) -> None:
-        response = self._send(endpoint, ref, "GET", f"/{ref.repository}/blobs/{digest}",
-                              headers={"Range": f"bytes={offset}-{end - 1}"})
+    def _read_range(
+        self, endpoint: Endpoint, ref: Reference, digest: str, offset: int, end: int, buffer: bytearray
+    ) -> None:
+        response = self._send(
+            endpoint, ref, "GET", f"/{ref.repository}/blobs/{digest}", headers={"Range": f"bytes={offset}-{end - 1}"}
+        )
         try:
             if response.status_code == 416:
-                raise RegistryError(f"blob {digest}: range [{offset}, {end}) lies beyond its end",
-                                    host=ref.domain, repository=ref.repository)
+                raise RegistryError(
+                    f"blob {digest}: range [{offset}, {end}) lies beyond its end",
+                    host=ref.domain,
+                    repository=ref.repository,
+                )
             if response.status_code not in (200, 206):
                 raise self._unexpected(response, f"blob {digest}", ref)
             # A server that ignores Range sends the whole blob: skip to `offset`.
             skip = offset if response.status_code == 200 else 0
             if response.status_code == 206 and _content_range_start(response) != offset:
-                raise ServerError(f"blob {digest}: registry answered a different range than asked",
-                                  host=ref.domain, repository=ref.repository)
+                raise ServerError(
+                    f"blob {digest}: registry answered a different range than asked",
+                    host=ref.domain,
+                    repository=ref.repository,
+                )
             want = end - offset
             got = 0
             for chunk in response.iter_raw():
@@ -653,8 +703,9 @@ class RegistryClient:
         finally:
             response.close()
 
-    def push_blob(self, ref: Reference, data: bytes, digest: str | None = None,
-                  media_type: str = "application/octet-stream") -> Descriptor:
+    def push_blob(
+        self, ref: Reference, data: bytes, digest: str | None = None, media_type: str = "application/octet-stream"
+    ) -> Descriptor:
         """Upload `data` (POST then PUT); nothing is sent if the blob exists."""
         actual = media.digest_of(data)
         if digest is not None and digest != actual:
@@ -670,8 +721,15 @@ class RegistryClient:
             response.close()
             location = httpx.URL(urljoin(str(response.url), response.headers["Location"]))
             upload = location.copy_merge_params({"digest": actual})
-            put = self._send(endpoint, ref, "PUT", str(upload), actions="pull,push",
-                             headers={"Content-Type": "application/octet-stream"}, content=data)
+            put = self._send(
+                endpoint,
+                ref,
+                "PUT",
+                str(upload),
+                actions="pull,push",
+                headers={"Content-Type": "application/octet-stream"},
+                content=data,
+            )
             if put.status_code not in (201, 204):
                 raise self._unexpected(put, f"uploading blob {actual}", ref)
             put.close()
@@ -693,8 +751,11 @@ class RegistryClient:
                 return []
             parsed = media.parse(data, media_type)
             if not isinstance(parsed, Index):
-                raise ServerError(f"tag {referrers_tag(subject_digest)} is not an image index",
-                                  host=ref.domain, repository=ref.repository)
+                raise ServerError(
+                    f"tag {referrers_tag(subject_digest)} is not an image index",
+                    host=ref.domain,
+                    repository=ref.repository,
+                )
             found = list(parsed.manifests)
         if artifact_type:
             found = [d for d in found if d.artifact_type == artifact_type]
@@ -708,8 +769,7 @@ class RegistryClient:
             url = f"/{ref.repository}/referrers/{subject_digest}"
             params = {"artifactType": artifact_type} if artifact_type else None
             for _ in range(100):  # pages; bounded against a Link loop
-                response = self._send(endpoint, ref, "GET", url, params=params,
-                                      headers={"Accept": media.OCI_INDEX})
+                response = self._send(endpoint, ref, "GET", url, params=params, headers={"Accept": media.OCI_INDEX})
                 if response.status_code == 404:
                     response.close()
                     return None
@@ -720,8 +780,9 @@ class RegistryClient:
                 try:
                     parsed = media.parse(data, media.OCI_INDEX)
                 except media.InvalidManifest as exc:
-                    raise ServerError(f"referrers of {subject_digest}: {exc}",
-                                      host=ref.domain, repository=ref.repository) from None
+                    raise ServerError(
+                        f"referrers of {subject_digest}: {exc}", host=ref.domain, repository=ref.repository
+                    ) from None
                 assert isinstance(parsed, Index)
                 found.extend(parsed.manifests)
                 next_url = _next_link(link)
@@ -751,8 +812,11 @@ class RegistryClient:
             data, index_type, _ = self.fetch_manifest(ref.with_tag(tag))
             existing = media.parse(data, index_type)
             if not isinstance(existing, Index):
-                raise ServerError(f"tag {tag} exists but is not an image index; it cannot hold referrers",
-                                  host=ref.domain, repository=ref.repository)
+                raise ServerError(
+                    f"tag {tag} exists but is not an image index; it cannot hold referrers",
+                    host=ref.domain,
+                    repository=ref.repository,
+                )
         except NotFound:
             existing = Index(media.OCI_INDEX, ())
         if any(d.digest == digest for d in existing.manifests):
@@ -787,4 +851,3 @@ def _next_link(header: str) -> str | None:
         if 'rel="next"' in part and "<" in part and ">" in part:
             return part[part.index("<") + 1 : part.index(">")]
     return None
-

@@ -1,12 +1,12 @@
 """The one way every command and daemon makes its registry client: from the
-[registry] section of the config file, with command-line flags on top."""
+`[registry]` section of the config file, with command-line flags on top."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bootseer.config import RegistryConfig
 from snapshotter.registry.client import RegistryClient
+from snapshotter.registry.settings import RegistryConfig
 
 
 def client_from_config(

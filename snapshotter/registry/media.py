@@ -63,7 +63,7 @@ class Platform:
 
     @classmethod
     def parse(cls, text: str) -> Platform:
-        """"linux/amd64", "linux/arm64/v8"; ValueError on anything else."""
+        """ "linux/amd64", "linux/arm64/v8"; ValueError on anything else."""
         parts = text.strip().split("/")
         if len(parts) not in (2, 3) or not all(parts):
             raise ValueError(f"not a platform: {text!r} (want OS/ARCH[/VARIANT], e.g. linux/amd64)")
@@ -198,7 +198,7 @@ def detect_media_type(data: bytes, header_media_type: str = "") -> str:
     declared = obj.get("mediaType")
     if isinstance(declared, str) and declared:
         return declared
-    header = header_media_type.split(";")[0].strip()
+    header = header_media_type.split(";", maxsplit=1)[0].strip()
     if header and header not in ("application/json", "text/plain", "application/octet-stream"):
         return header
     if obj.get("schemaVersion") == 1:
@@ -210,9 +210,7 @@ def parse(data: bytes, media_type: str) -> Manifest | Index:
     """Parse a manifest or an index of `media_type`."""
     obj = _load(data)
     if media_type in (DOCKER_SCHEMA1, DOCKER_SCHEMA1_SIGNED) or obj.get("schemaVersion") == 1:
-        raise InvalidManifest(
-            "Docker schema 1 manifests are not supported; re-push the image with a current client"
-        )
+        raise InvalidManifest("Docker schema 1 manifests are not supported; re-push the image with a current client")
     if media_type in INDEXES:
         manifests = obj.get("manifests")
         if not isinstance(manifests, list):

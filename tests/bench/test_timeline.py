@@ -22,9 +22,13 @@ def test_timeline_closes_one_segment_per_mark_after_the_pull() -> None:
     t0 = 1000.0
     segments = timeline.timeline(t0, [Segment("pull: fetch", 0, 1.5)], t0 + 1.5, t0 + 6.5, script(t0))
     assert [s.label for s in segments] == [
-        "pull: fetch", "container start + interpreter", "import torch",
-        "build model", "load config + shard", timeline.READY_SEGMENT,
-    ]  # fmt: skip
+        "pull: fetch",
+        "container start + interpreter",
+        "import torch",
+        "build model",
+        "load config + shard",
+        timeline.READY_SEGMENT,
+    ]
     assert [round(s.seconds, 3) for s in segments] == [1.5, 0.5, 1.0, 1.0, 1.0, 1.5]
     # Contiguous: each segment starts where the previous ended.
     assert all(a.end == b.start for a, b in itertools.pairwise(segments))

@@ -27,8 +27,10 @@ def _workload(c: Client, round_no: int, stop: threading.Event, committed: dict[s
         payload = rng.randbytes(rng.randint(0, 200_000))
         try:
             [mount] = c.stub.Prepare(pb.PrepareSnapshotRequest(key=key, parent=parent)).mounts
-            upper = mount.source if mount.type == "bind" else next(
-                o.split("=", 1)[1] for o in mount.options if o.startswith("upperdir=")
+            upper = (
+                mount.source
+                if mount.type == "bind"
+                else next(o.split("=", 1)[1] for o in mount.options if o.startswith("upperdir="))
             )
             Path(upper, "payload").write_bytes(payload)
             c.stub.Commit(pb.CommitSnapshotRequest(name=name, key=key))
@@ -61,8 +63,10 @@ def _check_consistent(c: Client, committed: dict[str, bytes]) -> None:
         view = f"check/{name}"
         [mount] = c.stub.View(pb.ViewSnapshotRequest(key=view, parent=name)).mounts
         # The nearest lower dir (or the bound one) is the layer's own directory.
-        own = mount.source if mount.type == "bind" else next(
-            o.split("=", 1)[1].split(":")[0] for o in mount.options if o.startswith("lowerdir=")
+        own = (
+            mount.source
+            if mount.type == "bind"
+            else next(o.split("=", 1)[1].split(":")[0] for o in mount.options if o.startswith("lowerdir="))
         )
         assert Path(own, "payload").read_bytes() == payload
         c.stub.Remove(pb.RemoveSnapshotRequest(key=view))

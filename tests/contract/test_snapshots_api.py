@@ -139,13 +139,12 @@ def test_error_codes(client: Client) -> None:
         (lambda: client.stub.Usage(pb.UsageRequest(key="nope")), grpc.StatusCode.NOT_FOUND, "nope"),
         (lambda: client.stub.Mounts(pb.MountsRequest(key="nope")), grpc.StatusCode.NOT_FOUND, "nope"),
         (
-            lambda: list(client.stub.List(pb.ListSnapshotsRequest(filters=['labels."x'])))
-            ,
+            lambda: list(client.stub.List(pb.ListSnapshotsRequest(filters=['labels."x']))),
             grpc.StatusCode.INVALID_ARGUMENT,
             "unterminated",
         ),
         (
-            lambda: prepare(client, unique("x"), "", **{"k": "v" * 5000}),
+            lambda: prepare(client, unique("x"), "", k="v" * 5000),
             grpc.StatusCode.INVALID_ARGUMENT,
             "4096",
         ),
@@ -172,9 +171,7 @@ def test_update_with_field_masks(client: Client) -> None:
     assert update({"z": "9"}) == {"z": "9"}
     code, msg = code_of(lambda: update({}, "kind"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "'kind'" in msg
-    code, _ = code_of(
-        lambda: client.stub.Update(pb.UpdateSnapshotRequest(info=pb.Info(name="nope")))
-    )
+    code, _ = code_of(lambda: client.stub.Update(pb.UpdateSnapshotRequest(info=pb.Info(name="nope"))))
     assert code == grpc.StatusCode.NOT_FOUND
 
 

@@ -52,9 +52,7 @@ class Work:
         return path
 
     def bootseer(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [str(BOOTSEER), *args], capture_output=True, text=True, env=self.env, cwd=self.root
-        )
+        result = subprocess.run([str(BOOTSEER), *args], capture_output=True, text=True, env=self.env, cwd=self.root)
         if check and result.returncode != 0:
             raise AssertionError(
                 f"bootseer {' '.join(args)} exited {result.returncode}\n"
@@ -62,9 +60,7 @@ class Work:
             )
         return result
 
-    def ensure(
-        self, req: Path, target: Path, *extra: str, check: bool = True
-    ) -> subprocess.CompletedProcess[str]:
+    def ensure(self, req: Path, target: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.bootseer(
             "depsnap",
             "ensure",

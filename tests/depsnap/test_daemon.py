@@ -92,14 +92,10 @@ def test_concurrent_ensures_through_the_daemon_download_once(work: Work, daemon:
     socket = work.root / "depsnap.sock"
     # Another node installed and published it (standalone, its own cache).
     other = work.root / "other-node-cache"
-    first = in_container(
-        work, parent, ensure_line(work, req, target, "--no-daemon", "--cache-dir", str(other))
-    )
+    first = in_container(work, parent, ensure_line(work, req, target, "--no-daemon", "--cache-dir", str(other)))
     assert first.returncode == 0 and "depsnap: miss" in first.stdout, first.stderr
 
-    script = (
-        ensure_line(work, req, target, "--socket", str(socket)) + f"\n{target}/bin/dsdemo-hello"
-    )
+    script = ensure_line(work, req, target, "--socket", str(socket)) + f"\n{target}/bin/dsdemo-hello"
     with ThreadPoolExecutor(CONTAINERS) as pool:
         results = list(pool.map(lambda _: in_container(work, parent, script), range(CONTAINERS)))
     for result in results:

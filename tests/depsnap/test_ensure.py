@@ -47,9 +47,7 @@ def use_environment(env: Path) -> None:
         check=True,
     ).stdout
     assert out.strip() == "42 loaded through the .pth file"
-    hello = subprocess.run(
-        [str(env / "bin" / "dsdemo-hello")], capture_output=True, text=True, check=True
-    )
+    hello = subprocess.run([str(env / "bin" / "dsdemo-hello")], capture_output=True, text=True, check=True)
     assert hello.stdout.strip() == "hello from dsdemo 1.0"
     check = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "check"],
@@ -72,9 +70,7 @@ RESTORE_ARGS = {
 }
 
 
-@pytest.mark.parametrize(
-    "installer,restore", [("uv", "mount"), ("pip", "mount"), ("uv", "copy"), ("uv", "lazy")]
-)
+@pytest.mark.parametrize("installer,restore", [("uv", "mount"), ("pip", "mount"), ("uv", "copy"), ("uv", "lazy")])
 def test_restored_environment_equals_installed(work: Work, installer: str, restore: str) -> None:
     req = work.requirements(REQUIREMENTS)
     work.requirements(CONSTRAINTS, "constraints.txt")
@@ -145,9 +141,7 @@ def test_key_command_prints_the_same_key_ensure_uses(work: Work) -> None:
     target = work.root / "env"
     from tests.depsnap.conftest import PYTHON
 
-    key = work.bootseer(
-        "depsnap", "key", "-r", str(req), "--target", str(target), "--python", str(PYTHON)
-    )
+    key = work.bootseer("depsnap", "key", "-r", str(req), "--target", str(target), "--python", str(PYTHON))
     ensured = work.ensure(req, target)
     assert key.stdout.split()[1] == ensured.stdout.split()[2]
     assert "base_image = sha256:abab" in key.stdout

@@ -142,9 +142,7 @@ def test_key_listing_names_every_input_and_no_secret(reqs: Path, tmp_path: Path)
 
 
 def test_environment_inputs_select_installer_settings() -> None:
-    chosen = environment_inputs(
-        {"PIP_INDEX_URL": "a", "UV_CACHE_DIR": "b", "PATH": "c", "CC": "gcc", "HOME": "/"}
-    )
+    chosen = environment_inputs({"PIP_INDEX_URL": "a", "UV_CACHE_DIR": "b", "PATH": "c", "CC": "gcc", "HOME": "/"})
     assert [i.name for i in chosen] == ["env:CC", "env:PIP_INDEX_URL"]
 
 

@@ -182,9 +182,7 @@ def slow_store(work: Work) -> Iterator[tuple[str, Nginx]]:
         remove(server)
 
 
-def test_store_going_away_mid_restore_gives_eio_never_wrong_bytes(
-    work: Work, slow_store: tuple[str, Nginx]
-) -> None:
+def test_store_going_away_mid_restore_gives_eio_never_wrong_bytes(work: Work, slow_store: tuple[str, Nginx]) -> None:
     url, nginx = slow_store
     # "3-last" lies megabytes past "1-first": beyond what reading "1-first" fetches.
     published = publish_tree(work, middle=6 << 20)
@@ -207,7 +205,5 @@ def test_absent_snapshot_starts_no_server(work: Work) -> None:
     with pytest.raises(StoreUnavailable):
         snapshot.restore_lazily(str(work.store), Cache(work.cache, 1 << 30), target, KEY)
     assert not target.exists() and not snapshot.side_dir(target).exists()
-    mounts = subprocess.run(
-        ["findmnt", "-rn", "-R", str(work.root)], capture_output=True, check=False
-    )
+    mounts = subprocess.run(["findmnt", "-rn", "-R", str(work.root)], capture_output=True, check=False)
     assert mounts.stdout == b""

@@ -62,8 +62,6 @@ def test_failed_publish_leaves_nothing_visible(tmp_path: Path) -> None:
 
 def test_unreachable_store_is_reported_as_such() -> None:
     port = free_tcp_port()
-    store = Store.open(
-        f"s3://bucket/snaps?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
-    )
+    store = Store.open(f"s3://bucket/snaps?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1")
     with pytest.raises(StoreUnavailable, match="cannot read"):
         store.get(KEY)

@@ -31,16 +31,12 @@ def write_wheel(path: Path, files: dict[str, bytes], dist_info: str) -> None:
         zf.writestr(f"{dist_info}/RECORD", "\n".join(record) + "\n")
 
 
-def _wheel_meta(
-    name: str, version: str, tag: str, requires: tuple[str, ...] = ()
-) -> dict[str, bytes]:
+def _wheel_meta(name: str, version: str, tag: str, requires: tuple[str, ...] = ()) -> dict[str, bytes]:
     dist = f"{name}-{version}.dist-info"
     metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
     metadata += "".join(f"Requires-Dist: {r}\n" for r in requires)
     purelib = "true" if tag.startswith("py3") else "false"
-    wheel = (
-        f"Wheel-Version: 1.0\nGenerator: depsnap-tests\nRoot-Is-Purelib: {purelib}\nTag: {tag}\n"
-    )
+    wheel = f"Wheel-Version: 1.0\nGenerator: depsnap-tests\nRoot-Is-Purelib: {purelib}\nTag: {tag}\n"
     return {f"{dist}/METADATA": metadata.encode(), f"{dist}/WHEEL": wheel.encode()}
 
 
@@ -48,17 +44,14 @@ def build_pure(out: Path, version: str = "1.0") -> Path:
     name = "dsdemo"
     files = {
         "dsdemo/__init__.py": (
-            f'VERSION = "{version}"\n\n'
-            'def hello() -> None:\n    print("hello from dsdemo", VERSION)\n'
+            f'VERSION = "{version}"\n\ndef hello() -> None:\n    print("hello from dsdemo", VERSION)\n'
         ).encode(),
         "dsdemo/cli.py": b"import dsdemo\n\ndef main() -> int:\n    dsdemo.hello()\n    return 0\n",
         "dsdemo_extra/dsdemo_plugin.py": b'PLUGIN = "loaded through the .pth file"\n',
         "dsdemo.pth": b"dsdemo_extra\n",
     }
     files.update(_wheel_meta(name, version, "py3-none-any", ("dsspeed>=1.0",)))
-    files[f"{name}-{version}.dist-info/entry_points.txt"] = (
-        b"[console_scripts]\ndsdemo-hello = dsdemo.cli:main\n"
-    )
+    files[f"{name}-{version}.dist-info/entry_points.txt"] = b"[console_scripts]\ndsdemo-hello = dsdemo.cli:main\n"
     path = out / f"{name}-{version}-py3-none-any.whl"
     write_wheel(path, files, f"{name}-{version}.dist-info")
     return path

@@ -92,9 +92,12 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
         mountpoint = tmp_path / f"m{len(mounted)}"
         mountpoint.mkdir()
         ops = LayerFS(
-            store, block_index, lambda source: blobs[source.digest].fetch,
-            background_bandwidth=background_bandwidth, whole_layer_bytes=whole_layer_bytes,
-        )  # fmt: skip
+            store,
+            block_index,
+            lambda source: blobs[source.digest].fetch,
+            background_bandwidth=background_bandwidth,
+            whole_layer_bytes=whole_layer_bytes,
+        )
         pyfuse3.init(ops, str(mountpoint), ["fsname=bootseer-test", "ro", "default_permissions"])
 
         async def serve() -> None:

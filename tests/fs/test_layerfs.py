@@ -34,7 +34,7 @@ def rich_layer() -> tuple[bytes, dict[str, bytes]]:
         "etc/config.json": b'{"a": 1}\n',
         "data/big.bin": rng.randbytes(3 << 20),
         "data/empty": b"",
-        "data/\u00fcber-\u6a21\u578b.txt": "non-ascii".encode(),
+        "data/\u00fcber-\u6a21\u578b.txt": b"non-ascii",
         "deep/" + "d/" * 20 + "x" * 200: b"long",
     }
     members: list[tuple[tarfile.TarInfo, bytes | None]] = [

@@ -23,9 +23,16 @@ def _reader(tmp_path: Path, source: Blob, blob: bytes) -> LayerReader:
     name = digest.split(":")[1]
     index, layer_source = store.load(name)
     return LayerReader(
-        name, layer_source.cache_key, index, store.path(name) / CACHE, BlockIndex(tmp_path / "blocks.lmdb"),
-        source.fetch, trio.CapacityLimiter(4), trio.CapacityLimiter(4), trio.CapacityLimiter(1),
-    )  # fmt: skip
+        name,
+        layer_source.cache_key,
+        index,
+        store.path(name) / CACHE,
+        BlockIndex(tmp_path / "blocks.lmdb"),
+        source.fetch,
+        trio.CapacityLimiter(4),
+        trio.CapacityLimiter(4),
+        trio.CapacityLimiter(1),
+    )
 
 
 def _layer() -> tuple[bytes, bytes]:
@@ -66,10 +73,10 @@ def test_hot_blocks_do_not_set_off_read_ahead(tmp_path: Path) -> None:
     reader = _reader(tmp_path, source, blob)
 
     async def main() -> None:
-        await reader.ensure(range(0, 6), Origin.HOT)
+        await reader.ensure(range(6), Origin.HOT)
         await _read_in_order(reader, 5)
         entry = next(e for e in reader.index.entries if e.name == "big")
         assert await reader.read(entry.offset, entry.offset + 4096) == data[:4096]
 
     trio.run(main)
-    assert _fetched_blocks(reader, source) == set(range(0, 6))
+    assert _fetched_blocks(reader, source) == set(range(6))

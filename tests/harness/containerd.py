@@ -99,9 +99,7 @@ class Containerd:
     def address(self) -> Path:
         return self.workdir / "containerd.sock"
 
-    def ctr(
-        self, *args: str, check: bool = True, timeout: float = CTR_TIMEOUT
-    ) -> subprocess.CompletedProcess[str]:
+    def ctr(self, *args: str, check: bool = True, timeout: float = CTR_TIMEOUT) -> subprocess.CompletedProcess[str]:
         """`ctr --address SOCK --namespace NS ARGS...`; raises CtrError on failure if `check`."""
         result = subprocess.run(
             [CTR_BIN, "--address", str(self.address), "--namespace", self.namespace, *args],
@@ -222,9 +220,7 @@ def start_containerd(snapshotter_address: Path) -> Containerd:
     def ready() -> bool:
         if not unix_socket_answers(address):
             return False
-        version = subprocess.run(
-            [CTR_BIN, "--address", str(address), "version"], capture_output=True, timeout=10
-        )
+        version = subprocess.run([CTR_BIN, "--address", str(address), "version"], capture_output=True, timeout=10)
         return version.returncode == 0
 
     try:

@@ -54,8 +54,16 @@ class FaultProxy:
     def host(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def plan(self, kind: str, path_contains: str = "", *, method: str = "GET", times: int = 1,
-             status: int = 503, redirect_to: str = "") -> None:
+    def plan(
+        self,
+        kind: str,
+        path_contains: str = "",
+        *,
+        method: str = "GET",
+        times: int = 1,
+        status: int = 503,
+        redirect_to: str = "",
+    ) -> None:
         if kind not in FAULTS:
             raise ValueError(f"unknown fault {kind!r}")
         with self._lock:
@@ -112,7 +120,9 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 upstream.request(self.command, self.path, body=body or None, headers=headers)
                 response = upstream.getresponse()
                 data = response.read()
-                out_headers = {k: v for k, v in response.getheaders() if k.lower() not in ("transfer-encoding", "connection")}
+                out_headers = {
+                    k: v for k, v in response.getheaders() if k.lower() not in ("transfer-encoding", "connection")
+                }
             finally:
                 upstream.close()
             if fault is not None and fault.kind == "flip" and data:

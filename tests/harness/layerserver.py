@@ -57,8 +57,7 @@ class LazyConfig:
         hosts = self.certs_dir / host / "hosts.toml"
         hosts.parent.mkdir(parents=True, exist_ok=True)
         hosts.write_text(
-            f'server = "http://{host}"\n\n[host."http://{host}"]\n'
-            '  capabilities = ["pull", "resolve", "push"]\n'
+            f'server = "http://{host}"\n\n[host."http://{host}"]\n  capabilities = ["pull", "resolve", "push"]\n'
         )
 
     def write(self) -> Path:

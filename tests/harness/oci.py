@@ -23,10 +23,26 @@ MTIME = 1_700_000_000
 BUSYBOX = Path("/bin/busybox")
 # Applets the tests call; each is a relative symlink to /bin/busybox.
 BUSYBOX_APPLETS = (
-    "sh", "sleep", "cat", "ls", "stat", "test", "echo", "rm", "touch",
-    "mkdir", "sha256sum", "wc", "head", "readlink", "find", "id", "true",
-    "grep", "sync",
-)  # fmt: skip
+    "sh",
+    "sleep",
+    "cat",
+    "ls",
+    "stat",
+    "test",
+    "echo",
+    "rm",
+    "touch",
+    "mkdir",
+    "sha256sum",
+    "wc",
+    "head",
+    "readlink",
+    "find",
+    "id",
+    "true",
+    "grep",
+    "sync",
+)
 
 MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
@@ -285,16 +301,19 @@ def push(layout: ImageLayout, reference: str, creds: str = "") -> None:
     login = ["--dest-creds", creds] if creds else []
     result = subprocess.run(
         [
-            "skopeo", "copy", "--quiet", "--dest-tls-verify=false", *login,
-            f"oci:{layout.directory}:{layout.tag}", f"docker://{reference}",
+            "skopeo",
+            "copy",
+            "--quiet",
+            "--dest-tls-verify=false",
+            *login,
+            f"oci:{layout.directory}:{layout.tag}",
+            f"docker://{reference}",
         ],
         capture_output=True,
         text=True,
-    )  # fmt: skip
+    )
     if result.returncode != 0:
-        raise RuntimeError(
-            f"skopeo copy to {reference} failed ({result.returncode}):\n{result.stderr}"
-        )
+        raise RuntimeError(f"skopeo copy to {reference} failed ({result.returncode}):\n{result.stderr}")
 
 
 def busybox_layer() -> list[Entry]:

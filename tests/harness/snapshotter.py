@@ -57,13 +57,18 @@ class Snapshotter:
         if not BOOTSEER_BIN.exists():
             raise FileNotFoundError(f"{BOOTSEER_BIN} is missing: run `make setup` first")
         argv = [
-            str(BOOTSEER_BIN), "snapshotter",
-            "--root", str(self.root),
-            "--address", str(self.address),
-            "--log-level", "debug",
-            "--log-format", "console",
+            str(BOOTSEER_BIN),
+            "snapshotter",
+            "--root",
+            str(self.root),
+            "--address",
+            str(self.address),
+            "--log-level",
+            "debug",
+            "--log-format",
+            "console",
             *self.extra_args,
-        ]  # fmt: skip
+        ]
         number = len(self.incarnations) + 1
         self.incarnations.append(
             start_daemon(

@@ -147,9 +147,7 @@ def diff(left: Tree, right: Tree, left_name: str = "left", right_name: str = "ri
         elif a is None:
             lines.append(f"only in {right_name}: {path}: {b.describe()}")
         else:
-            lines.append(
-                f"differs {path}:\n  {left_name}: {a.describe()}\n  {right_name}: {b.describe()}"
-            )
+            lines.append(f"differs {path}:\n  {left_name}: {a.describe()}\n  {right_name}: {b.describe()}")
     for group in sorted(left.hardlinks - right.hardlinks, key=sorted):
         lines.append(f"hardlink group only in {left_name}: {sorted(group)}")
     for group in sorted(right.hardlinks - left.hardlinks, key=sorted):

@@ -113,7 +113,9 @@ def _umount(path: Path) -> None:
         return
     result = subprocess.run(
         [sys.executable, "-m", "bootseer.cli", "hdfs-fuse", "umount", str(path)],
-        capture_output=True, text=True, cwd=REPO,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     if result.returncode != 0 and mountinfo.current(path) is not None:
         subprocess.run(["fusermount3", "-u", "-z", str(path)], check=False)
@@ -129,16 +131,44 @@ def mount(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
         path.mkdir()
         port = free_tcp_port()
         argv = [
-            sys.executable, "-m", "bootseer.cli", "hdfs-fuse", "mount", "--foreground",
-            "--log-format", "json", "--log-level", "debug",
-            "--stripe-size", str(STRIPE), "--streams", "4", "--readahead", str(8 * STRIPE),
-            "--memory", str(32 * STRIPE), "--retries", "3", "--backoff", "0.02",
-            "--backoff-max", "0.2", "--io-timeout", "5", "--attr-ttl", "1",
-            "--metrics-address", f"127.0.0.1:{port}",
-            *flags, uri, str(path),
+            sys.executable,
+            "-m",
+            "bootseer.cli",
+            "hdfs-fuse",
+            "mount",
+            "--foreground",
+            "--log-format",
+            "json",
+            "--log-level",
+            "debug",
+            "--stripe-size",
+            str(STRIPE),
+            "--streams",
+            "4",
+            "--readahead",
+            str(8 * STRIPE),
+            "--memory",
+            str(32 * STRIPE),
+            "--retries",
+            "3",
+            "--backoff",
+            "0.02",
+            "--backoff-max",
+            "0.2",
+            "--io-timeout",
+            "5",
+            "--attr-ttl",
+            "1",
+            "--metrics-address",
+            f"127.0.0.1:{port}",
+            *flags,
+            uri,
+            str(path),
         ]
         daemon = start_daemon(
-            "hdfs-fuse", argv, tmp_path / f"mnt{len(mounts)}.log",
+            "hdfs-fuse",
+            argv,
+            tmp_path / f"mnt{len(mounts)}.log",
             ready=lambda: mountinfo.current(path) is not None,
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )

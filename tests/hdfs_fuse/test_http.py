@@ -131,8 +131,13 @@ def test_server_restarted_mid_read_is_retried(tmp_path: Path, private_nginx: Cal
     # the server goes away with stripe reads in flight.
     server = private_nginx(tmp_path, limit_rate="512k")
     config = small_config(
-        stripe_size=MiB, streams=2, readahead=4 * MiB, memory=16 * MiB,
-        retries=12, backoff=0.05, backoff_max=0.5,
+        stripe_size=MiB,
+        streams=2,
+        readahead=4 * MiB,
+        memory=16 * MiB,
+        retries=12,
+        backoff=0.05,
+        backoff_max=0.5,
     )
     with hdfs_fuse.open(f"{server.url}/slow.bin", config) as f:
         thread, result = _read_in_thread(f)

@@ -46,7 +46,8 @@ def test_dd_with_large_blocks_and_offsets(tree: Tree, mount: Callable[..., Mount
     assert out == data
     out = subprocess.run(
         ["dd", f"if={m.path / 'big.bin'}", "bs=1000", "skip=777", "count=3000", "iflag=direct", "status=none"],
-        capture_output=True, check=True,
+        capture_output=True,
+        check=True,
     ).stdout
     assert out == data[777_000 : 777_000 + 3_000_000]
 
@@ -136,8 +137,9 @@ def test_single_file_uri_mounts_as_a_directory_of_one(tree: Tree, mount: Callabl
     assert (m.path / "odd.bin").read_bytes() == tree.files["odd.bin"]
 
 
-def test_http_mount_and_server_loss_gives_eio(tmp_path: Path, private_nginx: Callable[..., Nginx],
-                                               mount: Callable[..., Mount]) -> None:
+def test_http_mount_and_server_loss_gives_eio(
+    tmp_path: Path, private_nginx: Callable[..., Nginx], mount: Callable[..., Mount]
+) -> None:
     data = random.Random(9).randbytes(32 * STRIPE)
     (tmp_path / "srv").mkdir()
     (tmp_path / "srv" / "ckpt.bin").write_bytes(data)
@@ -160,9 +162,20 @@ def test_cli_mount_in_background_and_umount(tree: Tree, tmp_path: Path) -> None:
     mountpoint.mkdir()
     cli = [sys.executable, "-m", "bootseer.cli", "hdfs-fuse"]
     started = subprocess.run(
-        [*cli, "mount", f"file://{tree.root}", str(mountpoint), "--log-file", str(tmp_path / "bg.log"),
-         "--stripe-size", "256K"],
-        capture_output=True, text=True, cwd=REPO, timeout=60,
+        [
+            *cli,
+            "mount",
+            f"file://{tree.root}",
+            str(mountpoint),
+            "--log-file",
+            str(tmp_path / "bg.log"),
+            "--stripe-size",
+            "256K",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
     )
     try:
         assert started.returncode == 0, started.stderr
@@ -193,8 +206,9 @@ def _metric(text: str, name: str) -> float:
 
 
 @pytest.mark.parametrize("push", ["on", "off"])
-def test_arriving_stripes_are_pushed_into_the_page_cache(tmp_path: Path, mount: Callable[..., Mount],
-                                                          push: str) -> None:
+def test_arriving_stripes_are_pushed_into_the_page_cache(
+    tmp_path: Path, mount: Callable[..., Mount], push: str
+) -> None:
     data = random.Random(11).randbytes(64 * STRIPE + 5)
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "ckpt.bin").write_bytes(data)

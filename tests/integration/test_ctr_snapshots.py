@@ -61,9 +61,7 @@ class Pulled:
 def pulled(containerd: Containerd, images: ImageBuilder) -> Iterator[Pulled]:
     token = uuid.uuid4().hex[:10]
     layers = _layers(token)
-    prefixes = tuple(
-        images.push(f"snapshots/prefix-{n}-{token}", layers[:n]) for n in range(1, len(layers) + 1)
-    )
+    prefixes = tuple(images.push(f"snapshots/prefix-{n}-{token}", layers[:n]) for n in range(1, len(layers) + 1))
     for image in prefixes:
         containerd.pull(image.ref)
     yield Pulled(image=prefixes[-1], prefixes=prefixes)
@@ -124,9 +122,7 @@ def test_rm_of_leaf_active_snapshot(containerd: Containerd, pulled: Pulled, uniq
     assert key not in rows and top in rows
 
 
-def test_image_mount_views_each_layer(
-    containerd: Containerd, pulled: Pulled, tmp_path: Path
-) -> None:
+def test_image_mount_views_each_layer(containerd: Containerd, pulled: Pulled, tmp_path: Path) -> None:
     # `ctr images mount` takes a View of the image's top layer under a lease
     # and mounts what the snapshotter returns. The one-layer image has a
     # single lower, which overlayfs refuses: that needs a read-only bind.
@@ -143,9 +139,7 @@ def test_image_mount_views_each_layer(
             containerd.ctr("images", "unmount", "--rm", str(target))
 
 
-def test_prepare_write_commit(
-    containerd: Containerd, pulled: Pulled, unique: str, tmp_path: Path
-) -> None:
+def test_prepare_write_commit(containerd: Containerd, pulled: Pulled, unique: str, tmp_path: Path) -> None:
     active, committed, check_key = f"active-{unique}", f"committed-{unique}", f"check-{unique}"
     top = pulled.image.layout.chain_ids[-1]
     mounts = mounts_from(snapshots_cmd(containerd, "prepare", "--mounts", active, top))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.harness import tree
+from tests.harness.containerd import Containerd
 from tests.harness.images import (
     DEEP_PATH,
     LARGE,
@@ -24,7 +25,6 @@ from tests.harness.images import (
     UNICODE_FILE,
     awkward_layers,
 )
-from tests.harness.containerd import Containerd
 from tests.harness.oci import (
     ImageBuilder,
     PushedImage,
@@ -32,9 +32,8 @@ from tests.harness.oci import (
 
 pytestmark = pytest.mark.integration
 
-def _file(
-    data: bytes, mode: int = 0o644, uid: int = 0, gid: int = 0, **xattrs: bytes
-) -> tree.Entry:
+
+def _file(data: bytes, mode: int = 0o644, uid: int = 0, gid: int = 0, **xattrs: bytes) -> tree.Entry:
     return tree.Entry(
         kind="file",
         mode=mode,
@@ -125,9 +124,7 @@ def running_pair(containerd: Containerd, images: ImageBuilder) -> Iterator[Runni
             ("overlayfs", pair.overlayfs_id),
         ):
             containerd.pull(image.ref, snapshotter)
-            containerd.run(
-                image.ref, container_id, "/bin/sleep", "600", detach=True, snapshotter=snapshotter
-            )
+            containerd.run(image.ref, container_id, "/bin/sleep", "600", detach=True, snapshotter=snapshotter)
         yield pair
     finally:
         containerd.remove_container(pair.bootseer_id)
@@ -146,8 +143,7 @@ def test_rootfs_matches_overlayfs(containerd: Containerd, running_pair: RunningP
 def test_rootfs_has_image_content(containerd: Containerd, running_pair: RunningPair) -> None:
     ours = tree.walk(containerd.task_rootfs(running_pair.bootseer_id))
     wrong = [
-        f"{path}:\n  expected {want.describe() if want else 'absent'}\n"
-        f"  got      {got.describe() if got else 'absent'}"
+        f"{path}:\n  expected {want.describe() if want else 'absent'}\n  got      {got.describe() if got else 'absent'}"
         for path, want in EXPECTED.items()
         if (got := ours.entries.get(path)) != want
     ]
@@ -157,9 +153,7 @@ def test_rootfs_has_image_content(containerd: Containerd, running_pair: RunningP
     assert frozenset({"/data/hard/a", "/data/hard/b", "/data/hard/sub/c"}) in ours.hardlinks
 
 
-def test_container_reads_and_writes(
-    containerd: Containerd, running_pair: RunningPair, unique: str
-) -> None:
+def test_container_reads_and_writes(containerd: Containerd, running_pair: RunningPair, unique: str) -> None:
     script = "\n".join(
         [
             "set -e",

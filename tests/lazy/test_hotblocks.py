@@ -14,9 +14,9 @@ from recorder import manifest as hot
 from recorder.manifest import HotBlock, HotManifest
 from snapshotter.registry import RegistryClient, artifact, parse_reference
 from snapshotter.registry.media import Descriptor
+from tests.harness.lazynode import LazyNode, start_lazy_node, stop_lazy_node
 from tests.harness.oci import Dir, File, ImageBuilder, PushedImage, busybox_layer
 from tests.harness.registry import Registry
-from tests.harness.lazynode import LazyNode, start_lazy_node, stop_lazy_node
 
 pytestmark = pytest.mark.integration
 
@@ -123,9 +123,12 @@ def attach(image: PushedImage, blob: bytes) -> None:
         data, media_type, digest = client.fetch_manifest(reference)
         pushed = client.push_blob(reference, blob, media_type=hot.MEDIA_TYPE)
         artifact.push(
-            client, reference, Descriptor(media_type, digest, len(data)), hot.ARTIFACT_TYPE,
+            client,
+            reference,
+            Descriptor(media_type, digest, len(data)),
+            hot.ARTIFACT_TYPE,
             [Descriptor(hot.MEDIA_TYPE, pushed.digest, pushed.size)],
-        )  # fmt: skip
+        )
 
 
 @pytest.mark.parametrize("kind", ["foreign", "corrupt", "stale"])

@@ -15,9 +15,9 @@ import pytest
 from tests.harness import faultproxy, tree
 from tests.harness.containerd import CtrError
 from tests.harness.images import awkward_layers
+from tests.harness.lazynode import LazyNode
 from tests.harness.oci import Dir, File, ImageBuilder, busybox_layer
 from tests.harness.registry import PASSWORD, USER, AuthRegistry, Registry, start_registry
-from tests.harness.lazynode import LazyNode
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +64,10 @@ def test_only_what_is_read_is_fetched(lazy_node: LazyNode, images: ImageBuilder,
     big = random.Random(7).randbytes(160 << 20)
     image = images.push(
         f"lazy/big-{unique}",
-        [busybox_layer(), [Dir("/weights"), File("/weights/shard-0.bin", big), File("/weights/config.json", b'{"n": 1}\n')]],
+        [
+            busybox_layer(),
+            [Dir("/weights"), File("/weights/shard-0.bin", big), File("/weights/config.json", b'{"n": 1}\n')],
+        ],
         cmd=["/bin/cat", "/weights/config.json"],
     )
     lazy_node.index(image.ref)
@@ -83,7 +86,9 @@ def test_only_what_is_read_is_fetched(lazy_node: LazyNode, images: ImageBuilder,
 
 
 def test_unindexed_image_takes_the_normal_path(lazy_node: LazyNode, images: ImageBuilder, unique: str) -> None:
-    image = images.push(f"lazy/plain-{unique}", [busybox_layer(), [File("/hello", b"plain\n")]], cmd=["/bin/cat", "/hello"])
+    image = images.push(
+        f"lazy/plain-{unique}", [busybox_layer(), [File("/hello", b"plain\n")]], cmd=["/bin/cat", "/hello"]
+    )
     counts = pulled_counts(lazy_node.pull(image.ref))
     # The busybox base may already be present from another test's normal pull.
     assert counts["remote"] == 0 and counts["fetched"] >= 1
@@ -138,7 +143,11 @@ def test_authenticated_registry_through_docker_config(
     lazy_node: LazyNode, auth_registry: AuthRegistry, unique: str, tmp_path: Path
 ) -> None:
     builder = ImageBuilder(auth_registry.host, tmp_path, creds=f"{USER}:{PASSWORD}")
-    image = builder.push(f"private/lazy-{unique}", [busybox_layer(), [File("/secret.txt", b"authorised\n")]], cmd=["/bin/cat", "/secret.txt"])
+    image = builder.push(
+        f"private/lazy-{unique}",
+        [busybox_layer(), [File("/secret.txt", b"authorised\n")]],
+        cmd=["/bin/cat", "/secret.txt"],
+    )
     config = lazy_node.layers.config
     config.allow_plain_http(auth_registry.host)
     config.docker_config.parent.mkdir(parents=True, exist_ok=True)
@@ -156,7 +165,9 @@ def test_snapshotter_crash_leaves_lazy_containers_running(
     lazy_node: LazyNode, images: ImageBuilder, unique: str
 ) -> None:
     data = random.Random(13).randbytes(3 << 20)
-    image = images.push(f"lazy/crash-{unique}", [busybox_layer(), [File("/model.bin", data)]], cmd=["/bin/sleep", "600"])
+    image = images.push(
+        f"lazy/crash-{unique}", [busybox_layer(), [File("/model.bin", data)]], cmd=["/bin/sleep", "600"]
+    )
     lazy_node.index(image.ref)
     lazy_node.pull(image.ref)
     c = lazy_node.containerd
@@ -168,7 +179,9 @@ def test_snapshotter_crash_leaves_lazy_containers_running(
         assert c.exec(name, "e1", "/bin/sha256sum", "/model.bin").split()[0] == hashlib.sha256(data).hexdigest()
         lazy_node.snapshotter.start()
         c.wait_snapshotter()
-        again = images.push(f"lazy/after-crash-{unique}", [busybox_layer(), [File("/ok", b"ok\n")]], cmd=["/bin/cat", "/ok"])
+        again = images.push(
+            f"lazy/after-crash-{unique}", [busybox_layer(), [File("/ok", b"ok\n")]], cmd=["/bin/cat", "/ok"]
+        )
         lazy_node.index(again.ref)
         assert pulled_counts(lazy_node.pull(again.ref))["remote"] >= 1
         assert c.run(again.ref, f"after-{unique}") == "ok\n"

@@ -42,8 +42,12 @@ def test_image_layers_label_is_truncated_to_fit_4096_bytes() -> None:
 
 def test_snapshot_labels_name_the_layer_and_what_follows() -> None:
     layers = [
-        Descriptor("application/vnd.oci.image.layer.v1.tar+gzip", _digest(i), 10,
-                   annotations={"containerd.io/snapshot/stargz.toc": "x", "org.other": "dropped"})
+        Descriptor(
+            "application/vnd.oci.image.layer.v1.tar+gzip",
+            _digest(i),
+            10,
+            annotations={"containerd.io/snapshot/stargz.toc": "x", "org.other": "dropped"},
+        )
         for i in range(3)
     ]
     labels = snapshot_labels("reg:5000/a/b:v1", _digest(99), layers, 1, "sha256:chain")

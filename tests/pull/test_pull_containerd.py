@@ -19,7 +19,6 @@ from snapshotter.pull import Puller, PullResult, chain_ids
 from snapshotter.registry import RegistryClient
 from tests.harness import tree
 from tests.harness.containerd import Containerd
-from tests.harness.snapshotter import BOOTSEER_BIN
 from tests.harness.oci import (
     CharDevice,
     Dir,
@@ -33,6 +32,7 @@ from tests.harness.oci import (
     Whiteout,
     busybox_layer,
 )
+from tests.harness.snapshotter import BOOTSEER_BIN
 
 pytestmark = pytest.mark.integration
 
@@ -68,17 +68,33 @@ def _layers(token: str = "") -> list[Layer]:
 def _bootseer_pull(containerd: Containerd, ref: str, snapshotter: str = "bootseer") -> str:
     """The CLI, as a user runs it."""
     result = subprocess.run(
-        [str(BOOTSEER_BIN), "pull", ref, "--plain-http",
-         "--address", str(containerd.address), "--namespace", containerd.namespace,
-         "--snapshotter", snapshotter, "--log-format", "console"],
-        capture_output=True, text=True, timeout=300,
+        [
+            str(BOOTSEER_BIN),
+            "pull",
+            ref,
+            "--plain-http",
+            "--address",
+            str(containerd.address),
+            "--namespace",
+            containerd.namespace,
+            "--snapshotter",
+            snapshotter,
+            "--log-format",
+            "console",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
 
 def _puller(containerd: Containerd, snapshotter: str = "bootseer") -> Iterator[Puller]:
-    with RegistryClient(plain_http=True) as registry, ContainerdClient(containerd.address, containerd.namespace) as ctrd:
+    with (
+        RegistryClient(plain_http=True) as registry,
+        ContainerdClient(containerd.address, containerd.namespace) as ctrd,
+    ):
         yield Puller(registry, ctrd, snapshotter, progress=False)
 
 
@@ -107,8 +123,9 @@ def oracle(containerd: Containerd, images: ImageBuilder) -> Iterator[tuple[Pushe
 
 
 @pytest.mark.parametrize("target", ["bootseer", "overlayfs"])
-def test_tree_matches_ctr_pull(containerd: Containerd, images: ImageBuilder, oracle: tuple[PushedImage, tree.Tree],
-                               unique: str, target: str) -> None:
+def test_tree_matches_ctr_pull(
+    containerd: Containerd, images: ImageBuilder, oracle: tuple[PushedImage, tree.Tree], unique: str, target: str
+) -> None:
     image = images.push(f"pull/tree-{unique}", _layers())
     out = _bootseer_pull(containerd, image.ref, target)
     # overlayfs shares the oracle's layers, which are already unpacked there.
@@ -172,14 +189,28 @@ def test_images_rm_collects_everything(containerd: Containerd, images: ImageBuil
 
 def test_bad_reference_and_missing_image(containerd: Containerd, images: ImageBuilder, unique: str) -> None:
     result = subprocess.run(
-        [str(BOOTSEER_BIN), "pull", f"{images.registry_host}/pull/missing-{unique}:v1",
-         "--plain-http", "--address", str(containerd.address), "--namespace", containerd.namespace],
-        capture_output=True, text=True, timeout=120,
+        [
+            str(BOOTSEER_BIN),
+            "pull",
+            f"{images.registry_host}/pull/missing-{unique}:v1",
+            "--plain-http",
+            "--address",
+            str(containerd.address),
+            "--namespace",
+            containerd.namespace,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 1
     assert "not found" in result.stderr and f"pull/missing-{unique}" in result.stderr
-    bad = subprocess.run([str(BOOTSEER_BIN), "pull", "UPPER/case", "--address",
-                          str(containerd.address)], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [str(BOOTSEER_BIN), "pull", "UPPER/case", "--address", str(containerd.address)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 1 and "invalid repository" in bad.stderr
 
 
@@ -210,6 +241,7 @@ def test_already_exists_from_prepare_means_remote(containerd: Containerd, images
     twin = images.push(f"pull/twin-{unique}", layers)
     image = images.push(f"pull/raced-{unique}", layers, cmd=["/bin/true"])
     with RegistryClient(plain_http=True) as registry:
+
         def make_available() -> None:
             with ContainerdClient(containerd.address, containerd.namespace) as other:
                 Puller(registry, other, "bootseer", progress=False).pull(twin.ref)

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.harness.oci import ImageBuilder, PushedImage, busybox_layer, File, Dir
-from tests.harness.registry import Registry
 from tests.harness import faultproxy
+from tests.harness.oci import Dir, File, ImageBuilder, PushedImage, busybox_layer
+from tests.harness.registry import Registry
+
 
 def sample_layers() -> list[list]:
     big = random.Random(3).randbytes(1 << 20)  # 1 MiB that does not compress

@@ -18,16 +18,16 @@ from snapshotter.registry import (
     ServerError,
     Unauthorized,
     Unreachable,
+    media,
     parse_reference,
     referrers_tag,
 )
-from snapshotter.registry import media
+from tests.harness import faultproxy
+from tests.harness.faultproxy import FaultProxy
 from tests.harness.oci import PushedImage, write_layout
 from tests.harness.procs import free_tcp_port
-from tests.harness import faultproxy
 from tests.harness.registry import AuthRegistry, Registry
 from tests.registry.conftest import sample_layers
-from tests.harness.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.integration
 
@@ -66,9 +66,8 @@ def test_resolve_fetch_and_range(pushed: PushedImage) -> None:
 
 
 def test_not_found_names_host_and_repository(registry: Registry) -> None:
-    with _client() as client:
-        with pytest.raises(NotFound) as info:
-            client.resolve(parse_reference(f"{registry.host}/nope/missing:v1"))
+    with _client() as client, pytest.raises(NotFound) as info:
+        client.resolve(parse_reference(f"{registry.host}/nope/missing:v1"))
     assert registry.host in str(info.value) and "nope/missing" in str(info.value)
 
 
@@ -155,8 +154,9 @@ def test_gives_up_after_bounded_retries(proxy: FaultProxy, pushed: PushedImage) 
         client.resolve(parse_reference(f"127.0.0.1:{free_tcp_port()}/a/b:v1"))
 
 
-def test_plain_http_and_mirror_via_hosts_toml(tmp_path: Path, proxy: FaultProxy, pushed: PushedImage,
-                                               registry: Registry) -> None:
+def test_plain_http_and_mirror_via_hosts_toml(
+    tmp_path: Path, proxy: FaultProxy, pushed: PushedImage, registry: Registry
+) -> None:
     ref = parse_reference(pushed.ref)
     with RegistryClient(certs_dir=tmp_path, retries=0) as client, pytest.raises(Unreachable):
         client.resolve(ref)  # https to a plain-http registry fails
@@ -224,8 +224,10 @@ def test_redirect_drops_credentials(auth_registry: AuthRegistry, registry: Regis
             image = client.resolve(ref)
             layer = image.manifest.layers[1]
             # Redirected to the same repository path on a registry that holds the same blob.
-            assert client.fetch_range(ref.__class__(ref.domain, "regtest/sample", "v1"), layer.digest, 5, 50) \
+            assert (
+                client.fetch_range(ref.__class__(ref.domain, "regtest/sample", "v1"), layer.digest, 5, 50)
                 == _blob(pushed, layer.digest)[5:50]
+            )
         assert front.requests("GET", "/manifests/")[-1].headers.get("Authorization", "").startswith("Basic ")
         storage_gets = storage.requests("GET", "/blobs/")
         assert storage_gets and all("Authorization" not in s.headers for s in storage_gets)
@@ -249,16 +251,23 @@ def test_referrers_tag_fallback(registry: Registry, pushed: PushedImage) -> None
         assert client.referrers(subject_ref, subject.manifest_digest) == []
         empty = client.push_blob(subject_ref, b"{}", media_type=media.OCI_EMPTY)
         index_blob = client.push_blob(subject_ref, b"layer index bytes")
-        artifact = json.dumps({
-            "schemaVersion": 2,
-            "mediaType": media.OCI_MANIFEST,
-            "artifactType": "application/vnd.bootseer.layer-index.v1",
-            "config": {"mediaType": media.OCI_EMPTY, "digest": empty.digest, "size": empty.size},
-            "layers": [{"mediaType": "application/vnd.bootseer.layer-index.v1+cbor",
-                        "digest": index_blob.digest, "size": index_blob.size}],
-            "subject": subject.manifest_descriptor.to_json(),
-            "annotations": {"org.bootseer.span": "4194304"},
-        }).encode()
+        artifact = json.dumps(
+            {
+                "schemaVersion": 2,
+                "mediaType": media.OCI_MANIFEST,
+                "artifactType": "application/vnd.bootseer.layer-index.v1",
+                "config": {"mediaType": media.OCI_EMPTY, "digest": empty.digest, "size": empty.size},
+                "layers": [
+                    {
+                        "mediaType": "application/vnd.bootseer.layer-index.v1+cbor",
+                        "digest": index_blob.digest,
+                        "size": index_blob.size,
+                    }
+                ],
+                "subject": subject.manifest_descriptor.to_json(),
+                "annotations": {"org.bootseer.span": "4194304"},
+            }
+        ).encode()
         first = client.push_referrer(subject_ref, artifact, media.OCI_MANIFEST, subject.manifest_digest)
         again = client.push_referrer(subject_ref, artifact, media.OCI_MANIFEST, subject.manifest_digest)
         assert first == again == media.digest_of(artifact)
@@ -278,12 +287,23 @@ def test_index_resolution_picks_the_platform(registry: Registry, pushed: PushedI
     ref = parse_reference(pushed.ref)
     with _client() as client:
         image = client.resolve(ref)
-        index = media.Index(media.OCI_INDEX, (
-            media.Descriptor(media.OCI_MANIFEST, image.manifest_digest, len(image.manifest_bytes),
-                             platform=media.Platform("linux", "arm64", "v8")),
-            media.Descriptor(media.OCI_MANIFEST, image.manifest_digest, len(image.manifest_bytes),
-                             platform=media.Platform("linux", "amd64")),
-        ))
+        index = media.Index(
+            media.OCI_INDEX,
+            (
+                media.Descriptor(
+                    media.OCI_MANIFEST,
+                    image.manifest_digest,
+                    len(image.manifest_bytes),
+                    platform=media.Platform("linux", "arm64", "v8"),
+                ),
+                media.Descriptor(
+                    media.OCI_MANIFEST,
+                    image.manifest_digest,
+                    len(image.manifest_bytes),
+                    platform=media.Platform("linux", "amd64"),
+                ),
+            ),
+        )
         multi = ref.with_tag("multi")
         index_digest = client.push_manifest(multi, index.to_bytes(), media.OCI_INDEX, tag="multi")
         resolved = client.resolve(multi, "linux/amd64")

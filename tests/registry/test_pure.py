@@ -114,11 +114,13 @@ def test_hosts_file_lookup(tmp_path: Path) -> None:
 
 def test_credentials_from_config_json() -> None:
     encoded = base64.b64encode(b"alice:pa:ss").decode()
-    doc = {"auths": {
-        "https://reg.example.com": {"auth": encoded},
-        "other:5000": {"username": "bob", "password": "pw"},
-        "https://index.docker.io/v1/": {"auth": base64.b64encode(b"hub:tok").decode()},
-    }}
+    doc = {
+        "auths": {
+            "https://reg.example.com": {"auth": encoded},
+            "other:5000": {"username": "bob", "password": "pw"},
+            "https://index.docker.io/v1/": {"auth": base64.b64encode(b"hub:tok").decode()},
+        }
+    }
     alice = credentials_from_config(doc, "reg.example.com")
     assert alice is not None and (alice.username, alice.password) == ("alice", "pa:ss")
     bob = credentials_from_config(doc, "other:5000")
@@ -144,8 +146,9 @@ def test_keychain_reads_file_and_reports_bad_json(tmp_path: Path) -> None:
 
 
 def test_challenge_parsing() -> None:
-    header = ('Bearer realm="https://auth.example.com/token",service="registry.example.com",'
-              'scope="repository:a/b:pull,push"')
+    header = (
+        'Bearer realm="https://auth.example.com/token",service="registry.example.com",scope="repository:a/b:pull,push"'
+    )
     (bearer,) = parse_challenges(header)
     assert bearer.scheme == "bearer" and bearer.realm == "https://auth.example.com/token"
     assert bearer.params["scope"] == "repository:a/b:pull,push"
@@ -162,21 +165,25 @@ def test_token_response() -> None:
 
 
 def _manifest_json(**extra: object) -> bytes:
-    return json.dumps({
-        "schemaVersion": 2,
-        "mediaType": media.OCI_MANIFEST,
-        "config": {"mediaType": media.OCI_CONFIG, "digest": DIGEST, "size": 2},
-        "layers": [{"mediaType": media.OCI_LAYER_GZIP, "digest": DIGEST, "size": 5}],
-        **extra,
-    }).encode()
+    return json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": media.OCI_MANIFEST,
+            "config": {"mediaType": media.OCI_CONFIG, "digest": DIGEST, "size": 2},
+            "layers": [{"mediaType": media.OCI_LAYER_GZIP, "digest": DIGEST, "size": 5}],
+            **extra,
+        }
+    ).encode()
 
 
 def test_manifest_parsing() -> None:
     parsed = media.parse(_manifest_json(), media.OCI_MANIFEST)
     assert isinstance(parsed, media.Manifest) and parsed.layers[0].size == 5 and parsed.subject is None
     with_subject = media.parse(
-        _manifest_json(subject={"mediaType": media.OCI_MANIFEST, "digest": DIGEST, "size": 9},
-                       artifactType="application/x.bootseer.index"),
+        _manifest_json(
+            subject={"mediaType": media.OCI_MANIFEST, "digest": DIGEST, "size": 9},
+            artifactType="application/x.bootseer.index",
+        ),
         media.OCI_MANIFEST,
     )
     assert isinstance(with_subject, media.Manifest) and with_subject.subject is not None
@@ -195,9 +202,19 @@ def test_platform_selection() -> None:
         plat = {"os": "linux", "architecture": arch, **({"variant": variant} if variant else {})}
         return {"mediaType": mt, "digest": DIGEST, "size": 1, "platform": plat}
 
-    index = media.parse(json.dumps({"schemaVersion": 2, "manifests": [
-        entry("arm", "v7"), entry("arm64"), entry("amd64"),
-    ]}).encode(), media.OCI_INDEX)
+    index = media.parse(
+        json.dumps(
+            {
+                "schemaVersion": 2,
+                "manifests": [
+                    entry("arm", "v7"),
+                    entry("arm64"),
+                    entry("amd64"),
+                ],
+            }
+        ).encode(),
+        media.OCI_INDEX,
+    )
     assert isinstance(index, media.Index)
     assert media.select_platform(index, media.Platform.parse("linux/amd64")).platform.architecture == "amd64"  # type: ignore[union-attr]
     assert media.select_platform(index, media.Platform.parse("linux/arm64/v8")).platform.architecture == "arm64"  # type: ignore[union-attr]

@@ -5,21 +5,15 @@ from snapshotter.mounts import Mount, snapshot_mounts
 
 
 def test_active_without_parent_is_rw_bind() -> None:
-    assert snapshot_mounts(Kind.ACTIVE, "/s/1/fs", "/s/1/work", []) == [
-        Mount("bind", "/s/1/fs", ["rw", "rbind"])
-    ]
+    assert snapshot_mounts(Kind.ACTIVE, "/s/1/fs", "/s/1/work", []) == [Mount("bind", "/s/1/fs", ["rw", "rbind"])]
 
 
 def test_view_without_parent_is_ro_bind() -> None:
-    assert snapshot_mounts(Kind.VIEW, "/s/1/fs", "/s/1/work", []) == [
-        Mount("bind", "/s/1/fs", ["ro", "rbind"])
-    ]
+    assert snapshot_mounts(Kind.VIEW, "/s/1/fs", "/s/1/work", []) == [Mount("bind", "/s/1/fs", ["ro", "rbind"])]
 
 
 def test_active_with_parents_is_overlay_nearest_lower_first() -> None:
-    mounts = snapshot_mounts(
-        Kind.ACTIVE, "/s/3/fs", "/s/3/work", ["/s/2/fs", "/s/1/fs"], ["index=off"]
-    )
+    mounts = snapshot_mounts(Kind.ACTIVE, "/s/3/fs", "/s/3/work", ["/s/2/fs", "/s/1/fs"], ["index=off"])
     assert mounts == [
         Mount(
             "overlay",

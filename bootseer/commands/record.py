@@ -8,8 +8,8 @@ import argparse
 import sys
 import time
 
-from bootseer.cli import add_common_arguments, load_config
 from bootseer.config import Config
+from bootseer.options import add_common_arguments, load_config
 from recorder import requests
 from recorder.manifest import HotManifest
 
@@ -88,7 +88,9 @@ def _show(cfg: Config, image: str) -> int:
     if manifest is None:
         print(f"{image}: no hot-block manifest on this node")
         return 1
-    print(f"image {manifest.image}: {len(manifest.blocks)} hot blocks, {manifest.total_bytes} bytes, {manifest.runs} run(s)")
+    print(
+        f"image {manifest.image}: {len(manifest.blocks)} hot blocks, {manifest.total_bytes} bytes, {manifest.runs} run(s)"
+    )
     print(f"{'first access':>12}  {'size':>9}  layer / block")
     for b in manifest.blocks[:SHOW_BLOCKS]:
         print(f"{b.first_access_ms:>10}ms  {b.size:>9}  {b.layer[:19]}.../{b.block}")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bootseer.cli import add_common_arguments, load_config, override
+from bootseer.options import add_common_arguments, load_config, override
 from snapshotter.layer.index import DEFAULT_SPAN
 
 
@@ -16,7 +16,7 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     override(cfg.snapshotter, args, root="root", address="address", metrics_address="metrics_address", lazy="lazy")
     override(cfg.fs, args, store="fs_store", mountpoint="fs_mountpoint")
-    serve(cfg)
+    serve(cfg.snapshotter, cfg.fs, cfg.registry)
     return 0
 
 
@@ -33,7 +33,8 @@ def _run_index(args: argparse.Namespace) -> int:
     from snapshotter.indexer import index_image
     from snapshotter.registry.config import client_from_config
     from snapshotter.registry.errors import RegistryError
-    from snapshotter.registry.reference import InvalidReference, parse as parse_reference
+    from snapshotter.registry.reference import InvalidReference
+    from snapshotter.registry.reference import parse as parse_reference
 
     cfg = load_config(args)
     client = client_from_config(cfg.registry, plain_http=args.plain_http)
@@ -77,9 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--fs-store", type=Path, help="the layer store shared with the layer server")
     parser.add_argument("--fs-mountpoint", type=Path, help="the layer server's mount")
     parser.add_argument("--address", type=Path, help="unix socket to serve on")
-    parser.add_argument(
-        "--metrics-address", help="host:port to serve Prometheus metrics on; empty: off"
-    )
+    parser.add_argument("--metrics-address", help="host:port to serve Prometheus metrics on; empty: off")
     parser.set_defaults(func=_run)
 
     layers = sub.add_parser(
@@ -111,8 +110,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     index.add_argument("--plain-http", action="store_true", help="talk to the registry over HTTP")
     index.add_argument("--platform", help="os/arch[/variant] of a multi-platform image (default: this host's)")
     index.add_argument(
-        "--span", type=int, default=DEFAULT_SPAN,
+        "--span",
+        type=int,
+        default=DEFAULT_SPAN,
         help="uncompressed bytes per block, the unit of lazy fetching (default 4 MiB)",
-    )  # fmt: skip
+    )
     index.add_argument("--quiet", action="store_true", help="no progress bars")
     index.set_defaults(func=_run_index)

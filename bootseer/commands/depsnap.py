@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from bootseer.cli import add_common_arguments, load_config
+from bootseer.options import add_common_arguments, load_config
 from depsnap.settings import DepsnapConfig
 
 STORE_ENV = "BOOTSEER_DEPSNAP_STORE"
@@ -39,12 +39,8 @@ def _node(settings: DepsnapConfig, no_daemon: bool):  # type: ignore[no-untyped-
     from depsnap.progress import byte_progress
 
     if no_daemon:
-        return client.LocalNode(
-            Cache(settings.cache_dir, settings.cache_max_bytes), byte_progress()
-        )
-    return client.connect(
-        settings.socket, settings.cache_dir, settings.cache_max_bytes, byte_progress()
-    )
+        return client.LocalNode(Cache(settings.cache_dir, settings.cache_max_bytes), byte_progress())
+    return client.connect(settings.socket, settings.cache_dir, settings.cache_max_bytes, byte_progress())
 
 
 def _env_request(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -129,9 +125,7 @@ def _key(args: argparse.Namespace) -> int:
     try:
         if args.command_argv:
             command = args.command_argv[1:] if args.command_argv[0] == "--" else args.command_argv
-            request = inputs_mod.RunRequest(
-                command, args.input or [], args.path or [], args.base_image
-            )
+            request = inputs_mod.RunRequest(command, args.input or [], args.path or [], args.base_image)
             gathered = inputs_mod.for_run(request, os.environ, Path.cwd())
         else:
             if not args.requirement or args.target is None:
@@ -167,9 +161,7 @@ def _add_env_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
         required=required,
         help="requirements file (repeatable; -r/-c files it includes count too)",
     )
-    parser.add_argument(
-        "--target", type=Path, required=required, help="the environment's directory"
-    )
+    parser.add_argument("--target", type=Path, required=required, help="the environment's directory")
     parser.add_argument(
         "--python",
         type=Path,
@@ -180,18 +172,12 @@ def _add_env_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
 
 
 def _add_base_image(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--base-image", help="digest of the container image this runs in (or BOOTSEER_BASE_IMAGE)"
-    )
+    parser.add_argument("--base-image", help="digest of the container image this runs in (or BOOTSEER_BASE_IMAGE)")
 
 
 def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--store", help=f"snapshot store: directory or pyarrow.fs URI (or {STORE_ENV})"
-    )
-    parser.add_argument(
-        "--cache-dir", type=Path, help="node cache directory (used without the daemon)"
-    )
+    parser.add_argument("--store", help=f"snapshot store: directory or pyarrow.fs URI (or {STORE_ENV})")
+    parser.add_argument("--cache-dir", type=Path, help="node cache directory (used without the daemon)")
     parser.add_argument("--cache-max-bytes", type=int, help="node cache size cap")
     parser.add_argument("--socket", type=Path, help="the node daemon's unix socket")
     parser.add_argument("--no-daemon", action="store_true", help="use the node cache directly")
@@ -202,15 +188,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "depsnap",
         help="snapshot installed dependencies once, restore them by key",
         description=(
-            "Capture what an installer wrote once and restore it by key on every later start "
-            "with the same inputs."
+            "Capture what an installer wrote once and restore it by key on every later start with the same inputs."
         ),
     )
     commands = parser.add_subparsers(dest="depsnap_command", required=True, metavar="COMMAND")
 
-    ensure = commands.add_parser(
-        "ensure", help="restore the environment for requirements, or install and capture it"
-    )
+    ensure = commands.add_parser("ensure", help="restore the environment for requirements, or install and capture it")
     add_common_arguments(ensure)
     _add_env_arguments(ensure, required=True)
     _add_base_image(ensure)
@@ -224,8 +207,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ensure.add_argument(
         "--lazy-min-bytes",
         type=int,
-        help="read images at least this large lazily from the store when mounting "
-        "(default 256 MiB; negative: never)",
+        help="read images at least this large lazily from the store when mounting (default 256 MiB; negative: never)",
     )
     ensure.set_defaults(func=_ensure)
 
@@ -236,9 +218,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "later runs with the same command line and inputs restore that instead.",
     )
     add_common_arguments(run)
-    run.add_argument(
-        "--input", type=Path, action="append", help="file the command reads (repeatable)"
-    )
+    run.add_argument("--input", type=Path, action="append", help="file the command reads (repeatable)")
     run.add_argument("--path", type=Path, action="append", help="directory it writes (repeatable)")
     _add_base_image(run)
     _add_node_arguments(run)
@@ -248,8 +228,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     key = commands.add_parser(
         "key",
         help="print the key and every input that goes into it",
-        description="For an environment give -r and --target; for a run give --input/--path "
-        "and -- COMMAND.",
+        description="For an environment give -r and --target; for a run give --input/--path and -- COMMAND.",
     )
     add_common_arguments(key)
     _add_env_arguments(key, required=False)
@@ -259,22 +238,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     key.add_argument("command_argv", nargs=argparse.REMAINDER, metavar="-- COMMAND")
     key.set_defaults(func=_key)
 
-    release = commands.add_parser(
-        "release", help="unmount and remove an environment that ensure put at TARGET"
-    )
+    release = commands.add_parser("release", help="unmount and remove an environment that ensure put at TARGET")
     add_common_arguments(release)
     release.add_argument("--target", type=Path, required=True)
     release.set_defaults(func=_release)
 
-    serve = commands.add_parser(
-        "serve", help="run the node daemon (node cache behind a unix socket)"
-    )
+    serve = commands.add_parser("serve", help="run the node daemon (node cache behind a unix socket)")
     add_common_arguments(serve)
     serve.add_argument("--store", help="default snapshot store for requests that name none")
     serve.add_argument("--cache-dir", type=Path, help="node cache directory")
-    serve.add_argument(
-        "--cache-max-bytes", type=int, help="evict least recently used images above this"
-    )
+    serve.add_argument("--cache-max-bytes", type=int, help="evict least recently used images above this")
     serve.add_argument("--socket", type=Path, help="unix socket to serve on")
     serve.add_argument("--metrics-address", help="host:port for Prometheus metrics; empty: off")
     serve.set_defaults(func=_serve)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bootseer.cli import add_common_arguments, load_config
+from bootseer.options import add_common_arguments, load_config
 from hdfs_fuse.settings import HdfsFuseConfig, parse_bool, parse_size
 
 # (config field, value parser, help) for every tunable; each becomes a flag

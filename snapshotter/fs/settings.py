@@ -1,0 +1,37 @@
+"""The `[fs]` section of the config file: the FUSE layer server, and where
+the snapshotter finds it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class FsConfig:
+    # Layer indexes, block caches and the block index.
+    store: Path = Path("/var/lib/bootseer/layers")
+    # The single FUSE mount; short, because every lazy layer's path under it
+    # goes into an overlay lowerdir option that must fit in one page.
+    mountpoint: Path = Path("/var/lib/bootseer/m")
+    max_parallel_fetches: int = 8
+    metrics_address: str = ""
+    # A stored layer no snapshot uses is removed by containerd's cleanup once
+    # it is this old (younger ones may belong to a pull under way).
+    layer_gc_grace_s: float = 600.0
+    # Record first runs and prefetch hot-block manifests (off: neither).
+    hot_blocks: bool = True
+    # Hot blocks: a first run's recording ends once no new block was read
+    # for record_idle_s, or after record_max_s.
+    record_idle_s: float = 10.0
+    record_max_s: float = 300.0
+    # Parallel Range requests of the hot-block prefetcher (per image).
+    prefetch_parallel: int = 4
+    # Fetch every served layer whole in the background, at most
+    # background_bandwidth bytes/s, pausing while readers wait on fetches.
+    background_fetch: bool = False
+    background_bandwidth: int = 50_000_000
+    # Layers at most this big (compressed) are fetched whole as soon as they
+    # are served, with the prefetch slots: a few Range requests instead of a
+    # miss per file (0: off).
+    whole_layer_bytes: int = 32 << 20
