@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PROTOS := $(shell find proto -name '*.proto' | sort)
 
-.PHONY: setup proto demo test test-unit bench bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap clean
+.PHONY: setup proto lint demo test test-unit bench bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap clean
 
 setup:
 	@scripts/setup.sh
@@ -11,16 +11,24 @@ setup:
 proto:
 	@$(PY) -m grpc_tools.protoc -I . \
 	  -I "$$($(PY) -c 'import grpc_tools, os; print(os.path.join(os.path.dirname(grpc_tools.__file__), "_proto"))')" \
-	  --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	  --plugin=protoc-gen-mypy_grpc=.venv/bin/protoc-gen-mypy_grpc \
+	  --python_out=. --pyi_out=. --grpc_python_out=. --mypy_grpc_out=. $(PROTOS)
 
 demo: setup
 	$(PY) -m scripts.demo
 
-test: setup
+# Style first: it takes seconds and fails before the long suite starts.
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy
+
+test: lint
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
+# The tests that need no root, daemon or mount (see tests/conftest.py).
 test-unit: setup
-	$(PY) -m pytest -ra tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -m "not integration" $(PYTEST_ARGS)
 
 bench: bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap
 

@@ -227,7 +227,9 @@ def run(size: int, rate: str) -> dict[str, Any]:
             "size_bytes": size,
             "limit_rate": rate,
             "stripe_size": STRIPE,
-            "reader": f"sequential {CHUNK >> 20} MiB reads into one buffer (read(2) on the mount, readinto on the library)",
+            "reader": (
+                f"sequential {CHUNK >> 20} MiB reads into one buffer (read(2) on the mount, readinto on the library)"
+            ),
             "one_stream_mb_s": round(one, 1),
             "link_mb_s": round(link, 1),
             "targets": {"library_vs_limit": TARGET_LIBRARY, "fuse_vs_library": TARGET_FUSE_VS_LIBRARY},

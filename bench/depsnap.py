@@ -115,7 +115,8 @@ def shaped_store(store: Path, rate: int) -> Iterator[str]:
 
 def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
     started = time.perf_counter()
-    result = subprocess.run(argv, env=env, capture_output=True, text=True)
+    # Checked below, where the failure can carry the step's output.
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     elapsed = time.perf_counter() - started
     if result.returncode != 0:
         raise SystemExit(f"`{' '.join(argv)}` failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
@@ -158,7 +159,7 @@ def drop_file_cache(path: Path) -> None:
 def wait_for_file(directory: Path, timeout: float) -> Path:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [p for p in directory.glob("*.erofs")] if directory.exists() else []
+        found = list(directory.glob("*.erofs")) if directory.exists() else []
         if found:
             return found[0]
         time.sleep(0.1)
@@ -303,7 +304,7 @@ def plot(medians: dict[str, float], limits: dict[str, float], path: Path) -> Non
     bars = ax.bar(names, first_import, bottom=ready, color="#a8c4e0", label="+ first imports")
     ax.bar_label(
         bars,
-        labels=[f"{r:.2f} s\n+{i:.2f} s" if i else f"{r:.2f} s" for r, i in zip(ready, first_import)],
+        labels=[f"{r:.2f} s\n+{i:.2f} s" if i else f"{r:.2f} s" for r, i in zip(ready, first_import, strict=True)],
     )
     ax.axhline(
         limits["hit"],
@@ -350,9 +351,11 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     finally:
+        # Best effort: nothing may be held if the run failed early.
         subprocess.run(
             [str(BOOTSEER), "depsnap", "release", "--target", str(ROOT / "env")],
             capture_output=True,
+            check=False,
         )
     medians = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     # Bytes on the link per image byte: the first imports' reads, as fetched.

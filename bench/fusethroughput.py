@@ -27,10 +27,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench import ocidir, report
-from bench.startup import drop_caches, log, start_node
+from bench.node import drop_caches, start_node
+from bench.report import log
 from tests.harness.oci import push
 from tests.harness.registry import start_registry
-from tests.harness.snapshotter import BOOTSEER_BIN
 
 NAME = "fuse_read"
 TARGET = 0.5
@@ -80,23 +80,7 @@ def run(size: int, runs: int) -> dict[str, object]:
         ref = f"{registry.host}/bench/fuseread:v1"
         push(ocidir.read_layout(layout_dir), ref)
         node = start_node([registry.host])
-        config = str(node.layers.config.path)
-        for argv in (
-            [str(BOOTSEER_BIN), "index", "--config", config, "--quiet", ref],
-            [
-                str(BOOTSEER_BIN),
-                "pull",
-                "--config",
-                config,
-                "--address",
-                str(node.containerd.address),
-                "--namespace",
-                node.containerd.namespace,
-                "--snapshotter",
-                "bootseer",
-                ref,
-            ],
-        ):
+        for argv in (node.command("index", "--quiet", ref), node.pull_command(ref)):
             subprocess.run(argv, check=True, capture_output=True, text=True, timeout=600)
         [through_fuse] = list(node.layers.config.mountpoint.glob(f"*/{FILE_PATH}"))
         log(f"filling the layer cache: reading {through_fuse} once")

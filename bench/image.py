@@ -95,7 +95,7 @@ class BuiltImage:
             "compressed_bytes": self.compressed_bytes,
             "layers": [
                 {"name": n, "digest": d, "compressed_bytes": s}
-                for n, d, s in zip(self.layer_names, self.layout.layer_digests, self.layout.layer_sizes)
+                for n, d, s in zip(self.layer_names, self.layout.layer_digests, self.layout.layer_sizes, strict=True)
             ],
             "spec": asdict(self.spec),
         }

@@ -1,5 +1,5 @@
-"""What every benchmark writes: JSON results with the date and machine they
-came from, and a PNG plot beside them."""
+"""What every benchmark writes: progress lines as it runs, JSON results with
+the date and machine they came from, and a PNG plot beside them."""
 
 from __future__ import annotations
 
@@ -8,11 +8,16 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def percentile(samples: list[float], pct: float) -> float:
@@ -32,7 +37,8 @@ def summary_ms(samples_s: list[float]) -> dict[str, float]:
 
 
 def machine() -> dict[str, Any]:
-    containerd = subprocess.run(["containerd", "--version"], capture_output=True, text=True)
+    # A failing `--version` leaves the field empty rather than losing the results.
+    containerd = subprocess.run(["containerd", "--version"], capture_output=True, text=True, check=False)
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "host": platform.node(),

@@ -115,7 +115,7 @@ def run(iterations: int, warmup: int) -> dict[str, object]:
 
 def _plot(samples: dict[str, Samples]) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for ax, op in zip(axes, ("prepare_commit", "mounts")):
+    for ax, op in zip(axes, ("prepare_commit", "mounts"), strict=True):
         data = [[x * 1000 for x in getattr(samples[n], op)] for n in SNAPSHOTTERS]
         ax.boxplot(data, showfliers=False)
         ax.set_xticks(range(1, len(SNAPSHOTTERS) + 1), SNAPSHOTTERS)

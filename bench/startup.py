@@ -38,12 +38,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench import image, link, report, timeline
+from bench.node import Node, drop_caches, start_node
+from bench.report import log
 from bench.timeline import Run, ScriptOutput, Segment
-from snapshotter.fs.settings import FsConfig
-from tests.harness.containerd import CTR_BIN, Containerd, start_containerd
-from tests.harness.layerserver import LayerServer, LazyConfig
+from tests.harness.containerd import CTR_BIN, Containerd
 from tests.harness.oci import push
-from tests.harness.snapshotter import BOOTSEER_BIN, Snapshotter, start_snapshotter
 
 NAME = "startup"
 REPOSITORY = "bench/train"
@@ -63,59 +62,6 @@ LAYER_SERVER_METRICS = (
     "bootseer_fs_read_bytes_total",
 )
 WORKDIR = Path("/var/tmp/bootseer-bench")
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def drop_caches() -> None:
-    subprocess.run(["sync"], check=True)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-@dataclass
-class Node:
-    """One machine's worth of daemons: layer server, bootseer snapshotter, containerd."""
-
-    layers: LayerServer
-    snapshotter: Snapshotter
-    containerd: Containerd
-
-    def teardown(self) -> list[str]:
-        return self.containerd.stop() + self.snapshotter.teardown() + self.layers.teardown()
-
-
-def start_node(plain_http_hosts: list[str], hot_blocks: bool = False) -> Node:
-    # The product's settings, not the tests': their 1 s idle window would end
-    # a recording during the start's CPU-bound phases, before the shard is read.
-    defaults = FsConfig()
-    config = LazyConfig(
-        Path(tempfile.mkdtemp(prefix="bs-bench-", dir="/tmp")),
-        plain_http_hosts,
-        hot_blocks=hot_blocks,
-        record_idle_s=defaults.record_idle_s,
-        record_max_s=defaults.record_max_s,
-        whole_layer_bytes=defaults.whole_layer_bytes,
-    )
-    config.write()
-    # Debug logging of every FUSE call would be part of what is measured.
-    config.path.write_text(config.path.read_text().replace('level = "debug"', 'level = "info"', 1))
-    layers = LayerServer(config)
-    started: list[Callable[[], object]] = []
-    try:
-        layers.start()
-        started.append(layers.teardown)
-        snapshotter = start_snapshotter(["--config", str(config.path), "--log-level", "info"])
-        started.append(snapshotter.teardown)
-        containerd = start_containerd(snapshotter.address)
-        started.append(containerd.stop)
-        containerd.wait_snapshotter()
-    except BaseException:
-        for stop in reversed(started):
-            stop()
-        raise
-    return Node(layers, snapshotter, containerd)
 
 
 class RxSampler:
@@ -190,21 +136,8 @@ def _pull_overlayfs(ctx: RunContext) -> list[Segment]:
 
 
 def _pull_lazy(ctx: RunContext) -> list[Segment]:
-    c = ctx.node.containerd
     out = subprocess.run(
-        [
-            str(BOOTSEER_BIN),
-            "pull",
-            "--config",
-            str(ctx.node.layers.config.path),
-            "--address",
-            str(c.address),
-            "--namespace",
-            c.namespace,
-            "--snapshotter",
-            "bootseer",
-            ctx.ref,
-        ],
+        ctx.node.pull_command(ctx.ref),
         capture_output=True,
         text=True,
         timeout=STEP_TIMEOUT,
@@ -323,9 +256,10 @@ def _record_hot_blocks(setup: Setup) -> int:
         ctx = RunContext(setup, node, RxSampler(setup.netns), time.time(), setup.ref)
         _pull_lazy(ctx)
         _run_container(node.containerd, "bootseer", setup.ref, "record")
-        show = [str(BOOTSEER_BIN), "record", "--config", str(node.layers.config.path), "show", setup.ref]
+        show = node.command("record", "show", setup.ref)
         deadline = time.monotonic() + STEP_TIMEOUT
-        while (shown := subprocess.run(show, capture_output=True, text=True)).returncode != 0:
+        # `record show` fails until the recording settles and publishes the manifest.
+        while (shown := subprocess.run(show, capture_output=True, text=True, check=False)).returncode != 0:
             if time.monotonic() > deadline:
                 raise RuntimeError("the recording run published no hot-block manifest")
             time.sleep(0.5)
@@ -379,7 +313,7 @@ def run_link(
 ) -> tuple[dict[str, object], dict[str, Run]]:
     netns, warm, direct_ref = setup_base
     upstream = f"{netns.ns_addr}:{link.REGISTRY_PORT}"
-    biggest = max(zip(built.layout.layer_sizes, built.layout.layer_digests))[1]
+    biggest = max(zip(built.layout.layer_sizes, built.layout.layer_digests, strict=True))[1]
     proxy, calibration = _calibrate(netns, upstream, spec, f"/v2/{REPOSITORY}/blobs/{biggest}", shaper)
     setup = Setup(netns, proxy, warm, direct_ref)
     by_mode: dict[str, list[Run]] = {m.name: [] for m in modes}
@@ -525,7 +459,7 @@ def plot(
     path: Path,
 ) -> None:
     fig, axes = plt.subplots(len(per_link), 1, figsize=(11, 2.2 + 1.6 * len(per_link)), squeeze=False)
-    for ax, (name, results) in zip(axes[:, 0], per_link.items()):
+    for ax, (name, results) in zip(axes[:, 0], per_link.items(), strict=True):
         runs = representative[name]
         order = [m for m in ("overlayfs", "lazy", "prefetch", "warm") if m in runs]
         for row, mode in enumerate(order):
@@ -558,7 +492,7 @@ def plot(
         ax.set_title(f"time to ready over {name} ({results['link']['shaper']} shaper)")
     handles, labels = [], []
     for ax in axes[:, 0]:
-        for h, label in zip(*ax.get_legend_handles_labels()):
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
             if label not in labels:
                 handles.append(h)
                 labels.append(label)
@@ -606,7 +540,7 @@ def main() -> None:
         push(built.layout, direct_ref)
         warm = start_node([registry.host])
         index = subprocess.run(
-            [str(BOOTSEER_BIN), "index", "--config", str(warm.layers.config.path), "--quiet", direct_ref],
+            warm.command("index", "--quiet", direct_ref),
             capture_output=True,
             text=True,
             timeout=STEP_TIMEOUT,

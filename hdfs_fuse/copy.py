@@ -53,7 +53,7 @@ def plan(client: Client, source: str, dest: Path) -> list[tuple[uri_mod.Location
 
 
 def copy_file(
-    client: Client, location: uri_mod.Location, target: Path, size: int, progress: Callable[[int], None]
+    client: Client, location: uri_mod.Location, target: Path, size: int, progress: Callable[[int], object]
 ) -> int:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.part-{os.getpid()}-{threading.get_ident()}")
@@ -80,12 +80,17 @@ def copy_file(
     return written
 
 
-def copy(client: Client, source: str, dest: Path, progress: Callable[[int], None] = lambda n: None) -> CopyReport:
+def copy(client: Client, source: str, dest: Path, progress: Callable[[int], object] = lambda n: None) -> CopyReport:
     """Copy `source` (a file or a directory URI) to `dest`."""
     work = plan(client, source, dest)
     report = CopyReport()
+
+    def copy_one(item: tuple[uri_mod.Location, Path, int]) -> int:
+        location, target, size = item
+        return copy_file(client, location, target, size, progress)
+
     with ThreadPoolExecutor(FILES_AT_ONCE, thread_name_prefix="copy") as pool:
-        sizes = pool.map(lambda item: copy_file(client, *item, progress), work)
+        sizes = pool.map(copy_one, work)
         for size in sizes:
             report.files += 1
             report.bytes += size

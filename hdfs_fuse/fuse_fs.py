@@ -19,7 +19,9 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import pyfuse3
 import structlog
@@ -27,10 +29,10 @@ import trio
 from prometheus_client import Histogram
 
 from hdfs_fuse import uri as uri_mod
-from hdfs_fuse.backends import Entry
+from hdfs_fuse.backends.interface import Entry
 from hdfs_fuse.pagecache import PageCacheFiller
 from hdfs_fuse.reader import Client, StripedReader
-from hdfs_fuse.striping import ReadAhead
+from hdfs_fuse.striping import ReorderTolerantReadAhead
 
 log = structlog.get_logger("bootseer.hdfs_fuse.mount")
 
@@ -51,7 +53,7 @@ class Node:
 @dataclass
 class Handle:
     reader: StripedReader
-    pattern: ReadAhead
+    pattern: ReorderTolerantReadAhead
     inode: int
     # End of the latest read asked through this handle: where its reader is.
     reach: int = 0
@@ -154,7 +156,9 @@ class RemoteFS(pyfuse3.Operations):
             log.warning("listing failed", inode=inode, error=str(exc))
             raise _to_fuse_error(exc) from exc
 
-    async def lookup(self, parent_inode, name, ctx=None):  # type: ignore[no-untyped-def]
+    async def lookup(
+        self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, ctx: pyfuse3.RequestContext | None = None
+    ) -> pyfuse3.EntryAttributes:
         if parent_inode not in self.nodes or not self.nodes[parent_inode].entry.is_dir:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         decoded = os.fsdecode(name)
@@ -165,13 +169,15 @@ class RemoteFS(pyfuse3.Operations):
                 return self._attrs(self._node_for(parent_inode, entry))
         raise pyfuse3.FUSEError(errno.ENOENT)
 
-    async def getattr(self, inode, ctx=None):  # type: ignore[no-untyped-def]
+    async def getattr(
+        self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext | None = None
+    ) -> pyfuse3.EntryAttributes:
         node = self.nodes.get(inode)
         if node is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         return self._attrs(node)
 
-    async def opendir(self, inode, ctx):  # type: ignore[no-untyped-def]
+    async def opendir(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.FileHandleT:
         node = self.nodes.get(inode)
         if node is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
@@ -179,17 +185,17 @@ class RemoteFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         return inode
 
-    async def readdir(self, fh, start_id, token):  # type: ignore[no-untyped-def]
+    async def readdir(self, fh: pyfuse3.FileHandleT, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         entries = await self._listing(fh)
         for index in range(start_id, len(entries)):
             node = self._node_for(fh, entries[index])
             if not pyfuse3.readdir_reply(token, os.fsencode(entries[index].name), self._attrs(node), index + 1):
                 return
 
-    async def releasedir(self, fh):  # type: ignore[no-untyped-def]
+    async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:
         return None
 
-    async def statfs(self, ctx):  # type: ignore[no-untyped-def]
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         # Overlayfs and df need an answer; a remote store has no free space to report.
         data = pyfuse3.StatvfsData()
         data.f_bsize = data.f_frsize = 4096
@@ -198,7 +204,7 @@ class RemoteFS(pyfuse3.Operations):
 
     # --- reading ---------------------------------------------------------------------
 
-    async def open(self, inode, flags, ctx):  # type: ignore[no-untyped-def]
+    async def open(self, inode: pyfuse3.InodeT, flags: pyfuse3.FlagT, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         node = self.nodes.get(inode)
         if node is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
@@ -221,7 +227,7 @@ class RemoteFS(pyfuse3.Operations):
             node.entry = Entry(node.entry.name, False, reader.size, node.entry.mtime, reader.remote.version)
         return pyfuse3.FileInfo(fh=fh, keep_cache=previous == reader.remote.version)
 
-    def _pusher(self, inode: int, reader: StripedReader):  # type: ignore[no-untyped-def]
+    def _pusher(self, inode: int, reader: StripedReader) -> Callable[[int, int, bytes | bytearray], None]:
         filler = self.filler
         assert filler is not None
         version = reader.remote.version
@@ -252,7 +258,9 @@ class RemoteFS(pyfuse3.Operations):
         n = handle.reader.readinto(offset, memoryview(buffer), handle.pattern)
         return memoryview(buffer)[:n]
 
-    async def read(self, fh, off, size):  # type: ignore[no-untyped-def]
+    # A view, not bytes: pyfuse3 replies with any buffer (its stub says bytes),
+    # and answering with a view of the stripe is what saves the copy.
+    async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> memoryview:  # type: ignore[override]
         handle = self._handles.get(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
@@ -267,7 +275,7 @@ class RemoteFS(pyfuse3.Operations):
             log.error("read failed", uri=handle.reader.uri, offset=off, size=size, error=str(exc))
             raise _to_fuse_error(exc) from exc
 
-    async def release(self, fh):  # type: ignore[no-untyped-def]
+    async def release(self, fh: pyfuse3.FileHandleT) -> None:
         handle = self._handles.pop(fh, None)
         if handle is None:
             return
@@ -296,8 +304,8 @@ class RemoteFS(pyfuse3.Operations):
 
     # --- everything that writes ------------------------------------------------------
 
-    async def _read_only(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    async def _read_only(self, *args: object, **kwargs: object) -> NoReturn:
         raise pyfuse3.FUSEError(errno.EROFS)
 
-    setattr = create = mknod = mkdir = symlink = link = _read_only  # type: ignore[assignment]
-    unlink = rmdir = rename = write = setxattr = removexattr = _read_only  # type: ignore[assignment]
+    setattr = create = mknod = mkdir = symlink = link = _read_only
+    unlink = rmdir = rename = write = setxattr = removexattr = _read_only

@@ -14,6 +14,7 @@ and lets the stripes behind it go.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -61,17 +62,16 @@ class PageCacheFiller:
         """Push stripe bytes `data` found at `start`, all but their first page."""
         if self._closed or len(data) <= PAGE:
             return
-        try:
+        with contextlib.suppress(queue.Full):
             self._queue.put_nowait(Push(inode, start + PAGE, memoryview(data)[PAGE:], stored, wanted))
-        except queue.Full:
-            pass
 
     def _run(self) -> None:
         while (push := self._queue.get()) is not None:
             if not push.wanted():
                 continue
             try:
-                pyfuse3.notify_store(push.inode, push.offset, push.data)
+                # pyfuse3's stub says bytes, but it takes any buffer: bytes() would copy the stripe again.
+                pyfuse3.notify_store(push.inode, push.offset, push.data)  # type: ignore[arg-type]
             except OSError as exc:
                 # The kernel forgot the inode, or the mount is going away:
                 # reads are answered as usual.

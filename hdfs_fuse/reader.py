@@ -25,18 +25,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
 from hdfs_fuse import uri as uri_mod
-from hdfs_fuse.backends import Backend, Entry, RemoteFile, backend_for
+from hdfs_fuse.backends import backend_for
+from hdfs_fuse.backends.interface import Backend, Entry, RemoteFile
 from hdfs_fuse.cache import DiskCache, stripe_key
 from hdfs_fuse.errors import PermanentError, RemoteReadError, TransientError
 from hdfs_fuse.metrics import ReadStats
 from hdfs_fuse.settings import HdfsFuseConfig
-from hdfs_fuse.striping import Geometry, ReadAhead, backoff_delay, window_limit
+from hdfs_fuse.striping import Geometry, ReorderTolerantReadAhead, backoff_delay, window_limit
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 log = structlog.get_logger("bootseer.hdfs_fuse")
+
+_T = TypeVar("_T")
 
 _URGENT = 0
 _AHEAD = 1
@@ -142,10 +149,10 @@ class StripedReader:
     def size(self) -> int:
         return self.geometry.file_size
 
-    def new_pattern(self) -> ReadAhead:
-        return ReadAhead(max_window=self.max_window)
+    def new_pattern(self) -> ReorderTolerantReadAhead:
+        return ReorderTolerantReadAhead(max_window=self.max_window)
 
-    def readinto(self, offset: int, buf: memoryview, pattern: ReadAhead) -> int:
+    def readinto(self, offset: int, buf: memoryview, pattern: ReorderTolerantReadAhead) -> int:
         """Fill `buf` from `offset`; returns the bytes read (short only at EOF)."""
         end = min(offset + len(buf), self.size)
         if end <= offset:
@@ -161,7 +168,7 @@ class StripedReader:
         self.stats.add_served(end - offset)
         return end - offset
 
-    def peek(self, offset: int, size: int, pattern: ReadAhead) -> memoryview | None:
+    def peek(self, offset: int, size: int, pattern: ReorderTolerantReadAhead) -> memoryview | None:
         """The bytes at `offset` (`size` of them, fewer at EOF) as a view into
         a stripe that has already arrived, or None when they are not all in
         one such stripe (then `readinto` waits for them).
@@ -197,7 +204,7 @@ class StripedReader:
                 stripe.consumed += nbytes
         self.stats.add_pushed(nbytes)
 
-    def _plan(self, part: range, pattern: ReadAhead) -> tuple[list[_Stripe], bool]:
+    def _plan(self, part: range, pattern: ReorderTolerantReadAhead) -> tuple[list[_Stripe], bool]:
         """Demand `part`, read ahead of it; (its stripes, whether sequential). Under the lock."""
         if self._closed:
             raise ValueError("read of a closed file")
@@ -210,7 +217,9 @@ class StripedReader:
                 break
         return wanted, sequential
 
-    def _read_group(self, part: range, offset: int, end: int, buf: memoryview, pattern: ReadAhead) -> None:
+    def _read_group(
+        self, part: range, offset: int, end: int, buf: memoryview, pattern: ReorderTolerantReadAhead
+    ) -> None:
         with self._lock:
             wanted, sequential = self._plan(part, pattern)
         for stripe in wanted:
@@ -434,7 +443,7 @@ class StripedFile(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
+    def readinto(self, b: WriteableBuffer) -> int:
         self._checkClosed()
         n = self._reader.readinto(self._position, memoryview(b).cast("B"), self._pattern)
         self._position += n
@@ -503,7 +512,7 @@ class Client:
                 self._backends[key] = backend_for(location, self.config)
             return self._backends[key]
 
-    def _call(self, what: str, location: uri_mod.Location, fn: Callable[[], object]) -> object:
+    def _call(self, what: str, location: uri_mod.Location, fn: Callable[[], _T]) -> _T:
         try:
             return fn()
         except (TransientError, PermanentError) as exc:
@@ -511,20 +520,16 @@ class Client:
 
     def stat(self, uri: str | uri_mod.Location) -> Entry:
         location = uri if isinstance(uri, uri_mod.Location) else uri_mod.parse(uri)
-        entry = self._call("stat", location, lambda: self.backend(location).stat(location))
-        assert isinstance(entry, Entry)
-        return entry
+        return self._call("stat", location, lambda: self.backend(location).stat(location))
 
     def list(self, uri: str | uri_mod.Location) -> builtins.list[Entry]:
         location = uri if isinstance(uri, uri_mod.Location) else uri_mod.parse(uri)
-        entries = self._call("list", location, lambda: self.backend(location).list(location))
-        assert isinstance(entries, builtins.list)
-        return entries
+        return self._call("list", location, lambda: self.backend(location).list(location))
 
     def reader(self, uri: str | uri_mod.Location) -> StripedReader:
         location = uri if isinstance(uri, uri_mod.Location) else uri_mod.parse(uri)
         remote = self._call("open", location, lambda: self.backend(location).open(location))
-        return StripedReader(self, remote)  # type: ignore[arg-type]
+        return StripedReader(self, remote)
 
     def open(self, uri: str | uri_mod.Location) -> StripedFile:
         return StripedFile(self.reader(uri))

@@ -51,7 +51,7 @@ def window_limit(readahead: int, memory: int, stripe_size: int) -> int:
 
 
 @dataclass
-class ReadAhead:
+class ReorderTolerantReadAhead:
     """Sequential detection for one reader, by stripe index.
 
     An access is sequential when it starts at the start of the file with no
@@ -97,4 +97,4 @@ def backoff_delay(attempt: int, base: float, cap: float, jitter: float) -> float
     """Delay before retry number `attempt` (0-based): exponential, capped,
     scaled by `jitter` in [0, 1) to 50..100% so clients that failed together
     do not all come back at the same instant."""
-    return min(cap, base * (2**attempt)) * (0.5 + jitter / 2)
+    return min(cap, base * 2.0**attempt) * (0.5 + jitter / 2)

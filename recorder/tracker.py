@@ -4,9 +4,10 @@ the blocks its first run reads and publish them as one.
 
 Prefetching runs alongside the container's own reads: the blocks of every
 layer prepared so far are fetched in manifest order (first access across the
-whole image) by a few workers, adjacent blocks merged into one Range request; a reader's miss does not queue behind them (separate
-fetch slots), and a block already on its way is waited for, never fetched
-twice (LayerReader.ensure).
+whole image) by a few workers, adjacent blocks merged into one Range
+request; a reader's miss does not queue behind them (separate fetch slots),
+and a block already on its way is waited for, never fetched twice
+(LayerReader.ensure).
 """
 
 from __future__ import annotations
@@ -15,19 +16,19 @@ import heapq
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Protocol
 
 import structlog
 import trio
 
 from recorder import manifest as hot
-from recorder import requests
 from recorder.localstore import LocalManifests
 from recorder.manifest import HotManifest, ManifestError
 from recorder.session import RecordingSession
-from snapshotter.fs.reader import BlockUnavailable, LayerReader, Origin
-from snapshotter.layer.blockmath import MAX_RUN_BYTES
+from snapshotter.fs.control import ImageRequest, read_request
+from snapshotter.fs.layers import LayerStore
+from snapshotter.fs.reader import BlockUnavailable, Origin
+from snapshotter.fs.served import ServedLayer
+from snapshotter.layer.blockmath import fetch_runs
 from snapshotter.layer.index import LayerIndex
 from snapshotter.registry import artifact
 from snapshotter.registry.client import RegistryClient
@@ -41,13 +42,6 @@ MAX_MANIFEST_BYTES = 32 << 20
 TICK_S = 0.25
 
 
-class LoadedLayer(Protocol):
-    reader: LayerReader
-
-    @property
-    def current(self) -> bool: ...
-
-
 @dataclass
 class _Prefetch:
     """One image's prefetch: the runs of every prepared layer in one queue,
@@ -57,7 +51,7 @@ class _Prefetch:
     expected: set[str]  # the layers the manifest has blocks in
     queued: set[str] = field(default_factory=set)  # layers checked (and queued, if good)
     queue: list[tuple[int, str, list[int]]] = field(default_factory=list)
-    layers: dict[str, LoadedLayer] = field(default_factory=dict)
+    layers: dict[str, ServedLayer] = field(default_factory=dict)
     arrived: trio.Event = field(default_factory=trio.Event)
     began: float = field(default_factory=time.monotonic)
     workers: int = 0
@@ -70,7 +64,7 @@ class _Prefetch:
 
 @dataclass
 class _Image:
-    request: requests.ImageRequest
+    request: ImageRequest
     manifest: HotManifest | None = None
     session: RecordingSession | None = None
     started_layers: set[str] = field(default_factory=set)
@@ -88,8 +82,8 @@ class HotBlockSettings:
 class HotBlocks:
     def __init__(
         self,
-        store: Path,
-        layer_for: Callable[[str], Awaitable[LoadedLayer | None]],
+        store: LayerStore,
+        layer_for: Callable[[str], Awaitable[ServedLayer | None]],
         client: RegistryClient,
         local: LocalManifests,
         settings: HotBlockSettings,
@@ -127,7 +121,7 @@ class HotBlocks:
         """The request file of image `name` was written: act on it."""
         # A small file the snapshotter has just written: reading it here is
         # quicker than a thread hop, and the snapshotter waits for this answer.
-        request = requests.read(self.store, name)
+        request = read_request(self.store, name)
         if request is None or self._nursery is None:
             return
         image = self.images.get(request.image)
@@ -169,7 +163,7 @@ class HotBlocks:
             self._start_recording(image)
         self._start_prefetches(image)
 
-    def _find_manifest(self, request: requests.ImageRequest) -> HotManifest | None:
+    def _find_manifest(self, request: ImageRequest) -> HotManifest | None:
         local = self.local.get(request.image)
         if local is not None:
             return local
@@ -179,7 +173,7 @@ class HotBlocks:
             log.warning("no usable hot-block manifest in the registry", image=request.image, error=str(exc))
             return None
 
-    def _fetch_published(self, request: requests.ImageRequest) -> HotManifest | None:
+    def _fetch_published(self, request: ImageRequest) -> HotManifest | None:
         ref = parse_reference(request.ref)
         found = artifact.referrers(self.client, ref, request.image, hot.ARTIFACT_TYPE)
         if not found or not found[-1].layers:
@@ -238,7 +232,7 @@ class HotBlocks:
                     self._start_recording(image)
                 return
             prefetch.layers[layer_digest] = layer
-            for run in _runs([b.block for b in blocks], index):
+            for run in fetch_runs([b.block for b in blocks], index.blocks):
                 heapq.heappush(prefetch.queue, (positions[run[0]], layer_digest, run))
         finally:
             prefetch.queued.add(layer_digest)
@@ -299,7 +293,7 @@ class HotBlocks:
         )
 
     def _publish(
-        self, request: requests.ImageRequest, recorded: HotManifest, indexes: dict[str, LayerIndex]
+        self, request: ImageRequest, recorded: HotManifest, indexes: dict[str, LayerIndex]
     ) -> HotManifest:
         ref = parse_reference(request.ref)
         merged = recorded
@@ -332,16 +326,3 @@ class HotBlocks:
                 out[layer] = loaded.reader.index
         return out
 
-
-def _runs(numbers: list[int], index: LayerIndex) -> list[list[int]]:
-    """Manifest-ordered block numbers as fetch runs: consecutive entries with
-    consecutive numbers go in one Range request, up to MAX_RUN_BYTES."""
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and n == runs[-1][-1] + 1:
-            first = index.blocks[runs[-1][0]]
-            if index.blocks[n].cend - first.cstart <= MAX_RUN_BYTES:
-                runs[-1].append(n)
-                continue
-        runs.append([n])
-    return runs

@@ -24,12 +24,12 @@ from proto.containerd.services.images.v1 import images_pb2, images_pb2_grpc
 from proto.containerd.services.leases.v1 import leases_pb2, leases_pb2_grpc
 from proto.containerd.services.snapshots.v1 import snapshots_pb2, snapshots_pb2_grpc
 from proto.containerd.types import descriptor_pb2, mount_pb2
+from snapshotter.labels import GC_EXPIRE
 
 DEFAULT_ADDRESS = Path("/run/containerd/containerd.sock")
 DEFAULT_NAMESPACE = "default"
 # A lease that outlives a crashed client is collected after this.
 LEASE_EXPIRY = timedelta(hours=1)
-WRITE_CHUNK = 1 << 20
 # Another writer holding the same ingest ref: wait this long for it.
 LOCKED_REF_WAIT = 30.0
 
@@ -73,11 +73,9 @@ class ContainerdClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def metadata(self, lease: str | None = None) -> list[tuple[str, str]]:
-        md = [("containerd-namespace", self.namespace)]
-        if lease:
-            md.append(("containerd-lease", lease))
-        return md
+    def metadata(self, lease: str | None = None) -> tuple[tuple[str, str], ...]:
+        namespace = ("containerd-namespace", self.namespace)
+        return (namespace, ("containerd-lease", lease)) if lease else (namespace,)
 
     # -- leases ---------------------------------------------------------------
 
@@ -87,7 +85,7 @@ class ContainerdClient:
         own (containerd.io/gc.expire) if this process dies first."""
         expire = (datetime.now(UTC) + LEASE_EXPIRY).strftime("%Y-%m-%dT%H:%M:%SZ")
         response = self.leases.Create(
-            leases_pb2.CreateRequest(labels={"containerd.io/gc.expire": expire}), metadata=self.metadata()
+            leases_pb2.CreateRequest(labels={GC_EXPIRE: expire}), metadata=self.metadata()
         )
         try:
             yield response.lease.id
@@ -208,13 +206,6 @@ class ContainerdClient:
 
     # -- images ---------------------------------------------------------------
 
-    def get_image(self, name: str) -> images_pb2.Image | None:
-        try:
-            return self.images.Get(images_pb2.GetImageRequest(name=name), metadata=self.metadata()).image
-        except grpc.RpcError as exc:
-            if code_of(exc) == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise
 
     def put_image(self, name: str, target: Blob, labels: Mapping[str, str] | None = None) -> None:
         """Create the image record, or point an existing one at `target`."""

@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 from tqdm import tqdm
@@ -105,5 +106,8 @@ def _index_layer(client: RegistryClient, ref: Reference, layer: Descriptor, span
     return index.encode()
 
 
-def _advance(bar: tqdm) -> Callable[[int], None]:
-    return lambda n: bar.update(n)
+def _advance(bar: tqdm[Any]) -> Callable[[int], None]:
+    def advance(n: int) -> None:
+        bar.update(n)
+
+    return advance

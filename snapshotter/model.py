@@ -7,9 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from snapshotter.errors import InvalidArgument
-
-# containerd rejects a label whose key and value together exceed this.
-MAX_LABEL_BYTES = 4096
+from snapshotter.labels import MAX_LABEL_BYTES, label_bytes
 
 
 class Kind(enum.IntEnum):
@@ -57,7 +55,7 @@ def validate_labels(labels: dict[str, str]) -> None:
     for key, value in labels.items():
         if not key:
             raise InvalidArgument("label key must not be empty")
-        size = len(key.encode()) + len(value.encode())
+        size = label_bytes(key, value)
         if size > MAX_LABEL_BYTES:
             raise InvalidArgument(
                 f"label {key!r} is {size} bytes with its value; containerd allows at most {MAX_LABEL_BYTES}"

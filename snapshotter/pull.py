@@ -26,19 +26,18 @@ import structlog
 from tqdm import tqdm
 
 from snapshotter.containerd_client import Blob, ContainerdClient, code_of
+from snapshotter.labels import (
+    GC_REF_CONFIG,
+    GC_REF_LAYER_PREFIX,
+    GC_REF_SNAPSHOT_PREFIX,
+    UNCOMPRESSED,
+    distribution_source,
+    remote_snapshot_labels,
+)
 from snapshotter.registry import Descriptor, RegistryClient, ResolvedImage, parse_reference
-from snapshotter.registry.reference import Reference
 
 log = structlog.get_logger("bootseer.pull")
 
-LABEL_MAX = 4096  # containerd's cap on len(key) + len(value)
-LABEL_SNAPSHOT_REF = "containerd.io/snapshot.ref"
-LABEL_IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
-LABEL_LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
-LABEL_IMAGE_LAYERS = "containerd.io/snapshot/cri.image-layers"
-LABEL_MANIFEST_DIGEST = "containerd.io/snapshot/cri.manifest-digest"
-SNAPSHOT_LABEL_PREFIX = "containerd.io/snapshot/"
-LABEL_UNCOMPRESSED = "containerd.io/uncompressed"
 DEFAULT_SNAPSHOTTER = "bootseer"
 
 
@@ -57,61 +56,20 @@ def chain_ids(diff_ids: Sequence[str]) -> list[str]:
     return chain
 
 
-def image_layers_label(layer_digests: Sequence[str], key: str = LABEL_IMAGE_LAYERS) -> str:
-    """Comma-separated digests, dropping the tail until key + value fit 4096 bytes."""
-    value = ""
-    for digest in layer_digests:
-        candidate = f"{value},{digest}" if value else digest
-        if len(key) + len(candidate) > LABEL_MAX:
-            break
-        value = candidate
-    return value
-
-
-def snapshot_labels(
-    image_ref: str, manifest_digest: str, layers: Sequence[Descriptor], index: int, chain_id: str
-) -> dict[str, str]:
-    """Labels for Prepare of layer `index`: what a remote snapshotter needs
-    to find and serve it, as containerd's CRI plugin sets them."""
-    layer = layers[index]
-    labels = {
-        key: value
-        for key, value in layer.annotations.items()
-        if key.startswith(SNAPSHOT_LABEL_PREFIX) and len(key) + len(value) <= LABEL_MAX
-    }
-    labels.update(
-        {
-            LABEL_SNAPSHOT_REF: chain_id,
-            LABEL_IMAGE_REF: image_ref,
-            LABEL_LAYER_DIGEST: layer.digest,
-            LABEL_MANIFEST_DIGEST: manifest_digest,
-        }
-    )
-    layer_list = image_layers_label([d.digest for d in layers[index:]])
-    if layer_list:
-        labels[LABEL_IMAGE_LAYERS] = layer_list
-    return labels
-
-
-def source_label(ref: Reference) -> tuple[str, str]:
-    """containerd.io/distribution.source.<host> = <repository>, as containerd's fetcher sets it."""
-    return f"containerd.io/distribution.source.{ref.domain}", ref.repository
-
-
 def manifest_labels(image: ResolvedImage) -> dict[str, str]:
     """GC references from the manifest to its config and layers."""
-    labels = {"containerd.io/gc.ref.content.config": image.manifest.config.digest}
+    labels = {GC_REF_CONFIG: image.manifest.config.digest}
     for i, layer in enumerate(image.manifest.layers):
-        labels[f"containerd.io/gc.ref.content.l.{i}"] = layer.digest
-    key, value = source_label(image.ref)
+        labels[f"{GC_REF_LAYER_PREFIX}{i}"] = layer.digest
+    key, value = distribution_source(image.ref.domain, image.ref.repository)
     labels[key] = value
     return labels
 
 
 def config_labels(image: ResolvedImage, snapshotter: str, top_chain_id: str) -> dict[str, str]:
     """The config keeps the unpacked snapshot chain alive (through its top)."""
-    key, value = source_label(image.ref)
-    return {f"containerd.io/gc.ref.snapshot.{snapshotter}": top_chain_id, key: value}
+    key, value = distribution_source(image.ref.domain, image.ref.repository)
+    return {f"{GC_REF_SNAPSHOT_PREFIX}{snapshotter}": top_chain_id, key: value}
 
 
 def diff_ids_of(config: bytes, layer_count: int) -> list[str]:
@@ -175,7 +133,7 @@ class LayerProgress:
     def done(self, how: str) -> None:
         self.bar.set_postfix_str(how)
         if how != "fetched":
-            self.bar.update(self.bar.total - self.bar.n)
+            self.bar.update((self.bar.total or 0) - self.bar.n)
         self.bar.close()
 
 
@@ -234,7 +192,7 @@ class Puller:
         chain_id, parent = chains[i], chains[i - 1] if i else ""
         if self.containerd.stat_snapshot(self.snapshotter, chain_id) is not None:
             return LayerResult(layer.digest, chain_id, "present")
-        labels = snapshot_labels(str(image.ref), image.manifest_digest, image.manifest.layers, i, chain_id)
+        labels = remote_snapshot_labels(str(image.ref), image.manifest_digest, image.manifest.layers, i, chain_id)
         key = unpack_key(chain_id)
         try:
             mounts = self.containerd.prepare_snapshot(self.snapshotter, key, parent, labels, lease)
@@ -273,8 +231,8 @@ class Puller:
         self, image: ResolvedImage, layer: Descriptor, diff_id: str, lease: str, bar: LayerProgress
     ) -> int:
         """Put the layer blob in the content store unless it is there; returns bytes fetched."""
-        key, value = source_label(image.ref)
-        labels = {LABEL_UNCOMPRESSED: diff_id, key: value}
+        key, value = distribution_source(image.ref.domain, image.ref.repository)
+        labels = {UNCOMPRESSED: diff_id, key: value}
         blob = Blob(layer.media_type, layer.digest, layer.size)
         if self.containerd.content_info(layer.digest) is not None:
             self.containerd.label_content(layer.digest, labels, lease)

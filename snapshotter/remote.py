@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from recorder import requests
+from snapshotter import labels
+from snapshotter.fs import control
 from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
+from snapshotter.labels import RemoteLayerLabels
 from snapshotter.layer.artifact import index_blobs
 from snapshotter.layer.index import ARTIFACT_TYPE, IndexFormatError, LayerIndex
 from snapshotter.model import Snapshot
@@ -35,15 +37,6 @@ if TYPE_CHECKING:
     from snapshotter.registry.client import RegistryClient
 
 log = structlog.get_logger("bootseer.snapshotter")
-
-TARGET_REF = "containerd.io/snapshot.ref"
-IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
-LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
-MANIFEST_DIGEST = "containerd.io/snapshot/cri.manifest-digest"
-# The layers from this one up, comma-separated (truncated to fit a label).
-IMAGE_LAYERS = "containerd.io/snapshot/cri.image-layers"
-# Marks the snapshots this path created, as stargz does.
-REMOTE_LABEL = "containerd.io/snapshot/remote"
 
 
 class NotLazy(Exception):
@@ -88,29 +81,31 @@ class RemoteLayers:
 
     def prune(self, snapshots: Iterable[Snapshot]) -> list[str]:
         """Drop stored layers (index and cache) no remote snapshot uses any more."""
-        keep = {s.labels[LAYER_DIGEST] for s in snapshots if REMOTE_LABEL in s.labels and LAYER_DIGEST in s.labels}
+        keep = {
+            s.labels[labels.LAYER_DIGEST]
+            for s in snapshots
+            if labels.REMOTE in s.labels and labels.LAYER_DIGEST in s.labels
+        }
         return self.store.prune(keep, older_than_s=self.gc_grace_s)
 
-    @staticmethod
-    def wanted(labels: dict[str, str]) -> bool:
-        return TARGET_REF in labels and LAYER_DIGEST in labels and IMAGE_REF in labels
-
-    def prepare(self, labels: dict[str, str]) -> LazyLayer:
+    def prepare(self, wanted: RemoteLayerLabels) -> LazyLayer:
         if not os.path.ismount(self.mountpoint):
             raise NotLazy(f"the FUSE layer server is not mounted at {self.mountpoint}")
-        layer_digest = labels[LAYER_DIGEST]
-        ref = parse_reference(labels[IMAGE_REF])
-        manifest_digest = labels.get(MANIFEST_DIGEST) or self._resolve(ref)
+        layer_digest = wanted.layer_digest
+        ref = parse_reference(wanted.image_ref)
+        manifest_digest = wanted.manifest_digest or self._resolve(ref)
         name = layer_name(layer_digest)
-        wanted = self._stored(ref, manifest_digest, layer_digest)
+        stored = self._stored(ref, manifest_digest, layer_digest)
         # The layers above this one come next: fetch their indexes meanwhile.
-        upcoming = [d for d in labels.get(IMAGE_LAYERS, "").split(",") if d and d != layer_digest]
-        for digest in upcoming:
+        for digest in wanted.upcoming:
             self._stored(ref, manifest_digest, digest)
-        index = wanted.result()
+        index = stored.result()
         path = self.mountpoint / name
-        # Looking the layer up makes the server load it, and proves it serves it.
-        if not path.is_dir():
+        try:
+            shown = control.lookup(self.mountpoint, name)
+        except OSError as exc:
+            raise NotLazy(f"the layer server at {self.mountpoint} does not answer: {exc.strerror}") from None
+        if not shown:
             raise NotLazy(f"the layer server does not show layer {name} at {path}")
         self._announce(ref, manifest_digest, layer_digest)
         return LazyLayer(path=path, index=index)
@@ -143,7 +138,7 @@ class RemoteLayers:
         its tree), while containerd is still preparing the layers below, so
         its own Prepare finds it ready."""
         try:
-            (self.mountpoint / layer_name(layer_digest)).is_dir()
+            control.lookup(self.mountpoint, layer_name(layer_digest))
         except OSError as exc:
             log.debug("layer server could not preload a layer", layer=layer_digest, error=str(exc))
 
@@ -164,13 +159,13 @@ class RemoteLayers:
         name = manifest_digest.split(":", 1)[1]
         try:
             with self._lock:
-                request = requests.read(self.store.root, name) or requests.ImageRequest(
+                request = control.read_request(self.store, name) or control.ImageRequest(
                     ref=str(ref), image=manifest_digest
                 )
                 if layer_digest not in request.layers:
                     request.layers.append(layer_digest)
-                    requests.write(self.store.root, request)
-            requests.notify(self.mountpoint, name)
+                    control.write_request(self.store, request)
+            control.notify(self.mountpoint, name)
         except OSError as exc:
             log.warning("could not announce the image to the layer server", image=manifest_digest, error=str(exc))
 

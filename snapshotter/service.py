@@ -88,7 +88,7 @@ def info_pb(snap: Snapshot) -> pb.Info:
     return pb.Info(
         name=snap.key,
         parent=snap.parent,
-        kind=int(snap.kind),
+        kind=pb.Kind.Name(snap.kind),
         created_at=_timestamp(snap.created_ns),
         updated_at=_timestamp(snap.updated_ns),
         labels=snap.labels,

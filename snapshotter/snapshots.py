@@ -17,6 +17,8 @@ store is consistent and at worst a directory no snapshot owns is left, which
 
 from __future__ import annotations
 
+import builtins
+import functools
 import os
 import shutil
 import threading
@@ -28,10 +30,12 @@ from pathlib import Path
 import structlog
 
 from snapshotter import filters
+from snapshotter import labels as label_keys
 from snapshotter.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from snapshotter.labels import RemoteLayerLabels
 from snapshotter.model import Kind, Snapshot, validate_key, validate_labels
 from snapshotter.mounts import Mount, snapshot_mounts
-from snapshotter.remote import REMOTE_LABEL, TARGET_REF, LazyLayer, RemoteLayers
+from snapshotter.remote import LazyLayer, RemoteLayers
 from snapshotter.store import MetadataStore, Txn
 from snapshotter.usage import Usage, disk_usage
 
@@ -67,16 +71,17 @@ class Snapshotter:
     # -- creating ---------------------------------------------------------
 
     def prepare(self, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
-        if self.remote is not None and RemoteLayers.wanted(labels):
-            self._try_remote(key, parent, labels)
+        remote = RemoteLayerLabels.parse(labels) if self.remote is not None else None
+        if remote is not None:
+            self._try_remote(key, parent, labels, remote)
         return self._create(Kind.ACTIVE, key, parent, labels)
 
-    def _try_remote(self, key: str, parent: str, labels: dict[str, str]) -> None:
+    def _try_remote(self, key: str, parent: str, labels: dict[str, str], remote: RemoteLayerLabels) -> None:
         """Serve the layer lazily if its index is found: commit it under a
         name of our own with the target label and raise AlreadyExists, which
         tells containerd to skip the download. Returns only to fall back."""
         assert self.remote is not None
-        target = labels[TARGET_REF]
+        target = remote.target
         # containerd finds the snapshot by label and parent; the name only has
         # to be unique, per namespace like the keys containerd sends.
         namespace = key.split("/", 1)[0] if "/" in key else ""
@@ -86,8 +91,8 @@ class Snapshotter:
         if existing is not None and existing.parent == parent:
             raise AlreadyExists(f"target snapshot {target!r} is already served lazily as {name!r}")
         try:
-            lazy = self.remote.prepare(labels)
-            self._commit_remote(name, parent, {**labels, REMOTE_LABEL: "true"}, lazy)
+            lazy = self.remote.prepare(remote)
+            self._commit_remote(name, parent, {**labels, label_keys.REMOTE: "true"}, lazy)
         except AlreadyExists:
             raise
         except Exception as exc:
@@ -212,7 +217,7 @@ class Snapshotter:
         with self.store.read() as txn:
             snaps = list(txn.all())
         for snap in snaps:
-            if filters.matches_any(parsed, lambda path, s=snap: _field(s, path)):
+            if filters.matches_any(parsed, functools.partial(_field, snap)):
                 yield snap
 
     def usage(self, key: str) -> Usage:
@@ -303,7 +308,7 @@ class Snapshotter:
             txn.put(snap)
             return snap
 
-    def cleanup(self) -> list[str]:
+    def cleanup(self) -> builtins.list[str]:
         """Remove directories under snapshots/ that no snapshot owns (left by
         crashes or interrupted removals), and lazily served layers no snapshot
         uses any more. Returns what was removed."""

@@ -32,7 +32,7 @@ class Txn:
 
     def get(self, key: str) -> Snapshot | None:
         data = self._txn.get(key.encode(), db=self._snapshots)
-        return Snapshot.from_bytes(data) if data is not None else None
+        return Snapshot.from_bytes(bytes(data)) if data is not None else None
 
     def put(self, snap: Snapshot) -> None:
         self._txn.put(snap.key.encode(), snap.to_bytes(), db=self._snapshots)
@@ -49,7 +49,8 @@ class Txn:
         out: list[str] = []
         cursor = self._txn.cursor(db=self._children)
         if cursor.set_range(prefix):
-            for child_key in cursor.iternext(keys=True, values=False):
+            for raw in cursor.iternext(keys=True, values=False):
+                child_key = bytes(raw)
                 if not child_key.startswith(prefix):
                     break
                 out.append(child_key[len(prefix) :].decode())
@@ -58,7 +59,7 @@ class Txn:
     def all(self) -> Iterator[Snapshot]:
         cursor = self._txn.cursor(db=self._snapshots)
         for _, data in cursor:
-            yield Snapshot.from_bytes(data)
+            yield Snapshot.from_bytes(bytes(data))
 
     def ancestors(self, snap: Snapshot) -> list[Snapshot]:
         """The parent chain, nearest first."""

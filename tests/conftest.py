@@ -23,8 +23,37 @@ from tests.harness.oci import ImageBuilder
 from tests.harness.registry import AuthRegistry, Registry, start_auth_registry, start_registry
 from tests.harness.snapshotter import Snapshotter, start_snapshotter
 
+# Fixtures that start a real part (a daemon, a registry, a web server, a FUSE
+# or overlay mount). A test that uses one, directly or through another
+# fixture, is an integration test; a test that starts such a part itself
+# says so with `pytestmark = pytest.mark.integration`. `make test-unit` runs
+# everything else: `-m "not integration"`.
+REAL_PART_FIXTURES = frozenset(
+    {
+        "registry",
+        "auth_registry",
+        "snapshotter",
+        "containerd",
+        "images",
+        "client",  # tests/contract: the snapshotter over gRPC
+        "work",  # tests/depsnap: node daemons and stores
+        "mount_layers",  # tests/fs
+        "tree",  # tests/hdfs_fuse: served over nginx
+        "nginx",
+        "private_nginx",
+        "mount",
+        "lazy_node",  # tests/lazy
+        "pushed",  # tests/registry
+        "proxy",
+    }
+)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    integration = pytest.mark.integration
+    for item in items:
+        if REAL_PART_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(integration)
     # Only lack of root is a reason to skip: containerd, runc and overlay
     # mounts cannot work without it. A missing binary is a broken set-up and
     # must fail loudly instead.

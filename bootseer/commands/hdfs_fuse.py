@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bootseer.options import add_common_arguments, load_config
+from bootseer.options import CommandError, add_common_arguments, load_config
 from hdfs_fuse.settings import HdfsFuseConfig, parse_bool, parse_size
 
 # (config field, value parser, help) for every tunable; each becomes a flag
@@ -73,11 +72,7 @@ def _mount(args: argparse.Namespace) -> int:
         if getattr(args, name):
             child += [_flag(name), str(getattr(args, name))]
     log_path = args.log_file or mount.default_log_path(args.mountpoint)
-    try:
-        pid = mount.spawn(mount.foreground_argv(child), args.mountpoint, log_path)
-    except mount.MountError as exc:
-        print(f"bootseer hdfs-fuse mount: {exc}", file=sys.stderr)
-        return 1
+    pid = mount.spawn(mount.foreground_argv(child), args.mountpoint, log_path)
     print(f"mounted {args.uri} on {args.mountpoint} (pid {pid}, log {log_path})")
     return 0
 
@@ -86,11 +81,7 @@ def _umount(args: argparse.Namespace) -> int:
     from hdfs_fuse import mount
 
     load_config(args)
-    try:
-        mount.unmount(args.mountpoint, lazy=args.lazy)
-    except mount.MountError as exc:
-        print(f"bootseer hdfs-fuse umount: {exc}", file=sys.stderr)
-        return 1
+    mount.unmount(args.mountpoint, lazy=args.lazy)
     return 0
 
 
@@ -110,7 +101,8 @@ def _copy(args: argparse.Namespace) -> int:
 
 
 def _guarded(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Expected failures (bad URI or option, unreachable store) as one line, exit 1."""
+    """Expected failures (bad URI or option, unreachable store, mount trouble)
+    as a `CommandError`: one line, exit 1."""
 
     def run(args: argparse.Namespace) -> int:
         from hdfs_fuse.mount import MountError
@@ -118,13 +110,12 @@ def _guarded(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Na
         try:
             return func(args)
         except (OSError, ValueError, MountError) as exc:
-            print(f"bootseer hdfs-fuse {args.hdfs_fuse_command}: {exc}", file=sys.stderr)
-            return 1
+            raise CommandError(str(exc)) from None
 
     return run
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "hdfs-fuse",
         help="striped parallel reads of remote checkpoints (mount, copy)",

@@ -76,6 +76,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--docker-config",
         type=Path,
         default=None,
-        help="docker config.json with registry credentials (default $DOCKER_CONFIG/config.json or ~/.docker/config.json)",
+        help="registry credentials (default $DOCKER_CONFIG/config.json or ~/.docker/config.json)",
     )
     parser.set_defaults(func=_run)

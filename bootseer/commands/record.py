@@ -5,99 +5,95 @@ an image that has no hot-block manifest)."""
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from bootseer.config import Config
-from bootseer.options import add_common_arguments, load_config
-from recorder import requests
+from bootseer.options import CommandError, add_common_arguments, load_config
 from recorder.manifest import HotManifest
+from snapshotter.fs import control
+from snapshotter.fs.layers import LayerStore
 
 # How long `record stop` waits for the layer server to publish the manifest.
 STOP_WAIT_S = 60.0
 SHOW_BLOCKS = 50
 
 
-def _image_request(cfg: Config, image: str, plain_http: bool) -> requests.ImageRequest:
+def _image_request(cfg: Config, store: LayerStore, image: str, plain_http: bool) -> control.ImageRequest:
     from snapshotter.registry.config import client_from_config
+    from snapshotter.registry.errors import RegistryError
+    from snapshotter.registry.reference import InvalidReference
     from snapshotter.registry.reference import parse as parse_reference
 
-    ref = parse_reference(image)
-    with client_from_config(cfg.registry, plain_http) as client:
-        resolved = client.resolve(ref)
-    existing = requests.read(cfg.fs.store, resolved.manifest_digest.split(":", 1)[1])
-    return existing or requests.ImageRequest(
+    try:
+        ref = parse_reference(image)
+        with client_from_config(cfg.registry, plain_http) as client:
+            resolved = client.resolve(ref)
+    except (RegistryError, InvalidReference) as exc:
+        raise CommandError(str(exc)) from None
+    existing = control.read_request(store, resolved.manifest_digest.split(":", 1)[1])
+    return existing or control.ImageRequest(
         ref=str(ref), image=resolved.manifest_digest, layers=[d.digest for d in resolved.manifest.layers]
     )
 
 
 def _run(args: argparse.Namespace) -> int:
-    from snapshotter.registry.errors import RegistryError
-    from snapshotter.registry.reference import InvalidReference
-
     cfg = load_config(args)
-    try:
-        request = _image_request(cfg, args.image, args.plain_http)
-    except (RegistryError, InvalidReference) as exc:
-        print(f"bootseer record: {exc}", file=sys.stderr)
-        return 1
+    store = LayerStore(cfg.fs.store)
+    request = _image_request(cfg, store, args.image, args.plain_http)
     if args.action == "show":
-        return _show(cfg, request.image)
+        return _show(store, request.image)
     if args.action == "start":
         request.record, request.stop = True, False
     else:
         request.stop = True
-    before = _runs(cfg, request.image)
-    requests.write(cfg.fs.store, request)
+    before = _runs(store, request.image)
+    control.write_request(store, request)
     try:
-        requests.notify(cfg.fs.mountpoint, request.name)
+        control.notify(cfg.fs.mountpoint, request.name)
     except OSError as exc:
-        print(f"bootseer record: the layer server at {cfg.fs.mountpoint} did not answer: {exc}", file=sys.stderr)
-        return 1
+        raise CommandError(f"the layer server at {cfg.fs.mountpoint} did not answer: {exc}") from None
     if args.action == "start":
         print(f"recording {request.image}: run the image; `bootseer record stop {args.image}` publishes")
         return 0
     deadline = time.monotonic() + STOP_WAIT_S
-    while time.monotonic() < deadline and _runs(cfg, request.image) == before:
+    while time.monotonic() < deadline and _runs(store, request.image) == before:
         time.sleep(0.2)
     request.record = request.stop = False
-    requests.write(cfg.fs.store, request)
-    return _show(cfg, request.image)
+    control.write_request(store, request)
+    return _show(store, request.image)
 
 
-def _local(cfg: Config, image: str) -> HotManifest | None:
+def _local(store: LayerStore, image: str) -> HotManifest | None:
     from recorder.localstore import LocalManifests
 
-    path = cfg.fs.store / "hot.lmdb"
-    if not path.exists():
+    if not store.hot_manifests_path.exists():
         return None
-    local = LocalManifests(path, readonly=True)
+    local = LocalManifests(store.hot_manifests_path, readonly=True)
     try:
         return local.get(image)
     finally:
         local.close()
 
 
-def _runs(cfg: Config, image: str) -> int:
-    manifest = _local(cfg, image)
+def _runs(store: LayerStore, image: str) -> int:
+    manifest = _local(store, image)
     return manifest.runs if manifest else 0
 
 
-def _show(cfg: Config, image: str) -> int:
-    manifest = _local(cfg, image)
+def _show(store: LayerStore, image: str) -> int:
+    manifest = _local(store, image)
     if manifest is None:
         print(f"{image}: no hot-block manifest on this node")
         return 1
-    print(
-        f"image {manifest.image}: {len(manifest.blocks)} hot blocks, {manifest.total_bytes} bytes, {manifest.runs} run(s)"
-    )
+    blocks = len(manifest.blocks)
+    print(f"image {manifest.image}: {blocks} hot blocks, {manifest.total_bytes} bytes, {manifest.runs} run(s)")
     print(f"{'first access':>12}  {'size':>9}  layer / block")
     for b in manifest.blocks[:SHOW_BLOCKS]:
         print(f"{b.first_access_ms:>10}ms  {b.size:>9}  {b.layer[:19]}.../{b.block}")
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "record",
         help="record an image's hot blocks, or show its hot-block manifest",

@@ -1,12 +1,12 @@
-"""`bootseer snapshotter`: run the containerd proxy snapshotter daemon."""
+"""`bootseer snapshotter`, `bootseer layer-server` and `bootseer index`: the
+snapshotter part's daemons, and indexing an image for lazy pulling."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from bootseer.options import add_common_arguments, load_config, override
+from bootseer.options import CommandError, add_common_arguments, load_config, override
 from snapshotter.layer.index import DEFAULT_SPAN
 
 
@@ -41,8 +41,7 @@ def _run_index(args: argparse.Namespace) -> int:
     try:
         report = index_image(client, parse_reference(args.image), args.platform, args.span, not args.quiet)
     except (RegistryError, InvalidReference) as exc:
-        print(f"bootseer index: {exc}", file=sys.stderr)
-        return 1
+        raise CommandError(str(exc)) from None
     print(f"image manifest {report.manifest_digest}")
     for digest in report.indexed:
         print(f"  indexed  {digest}")
@@ -57,7 +56,7 @@ def _run_index(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "snapshotter",
         help="serve the containerd proxy snapshotter",

@@ -5,12 +5,12 @@ bounded bandwidth, and paused whenever a reader is waiting on a fetch."""
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
 import structlog
 import trio
 
-from snapshotter.fs.reader import BlockUnavailable, LayerReader, Origin
+from snapshotter.fs.reader import BlockUnavailable, Origin
+from snapshotter.fs.served import ServedLayer
 from snapshotter.layer.blockmath import fetch_runs
 
 log = structlog.get_logger("bootseer.fs")
@@ -21,27 +21,20 @@ RUN_BYTES = 4 << 20
 YIELD_S = 0.05
 
 
-class Fetchable(Protocol):
-    reader: LayerReader
-
-    @property
-    def current(self) -> bool: ...
-
-
 class BackgroundFetch:
     def __init__(self, bandwidth: int, read_slots: trio.CapacityLimiter) -> None:
         self.bandwidth = bandwidth
         self.read_slots = read_slots
-        self._send, self._receive = trio.open_memory_channel[Fetchable](math.inf)
+        self._send, self._receive = trio.open_memory_channel[ServedLayer](math.inf)
 
-    def add(self, layer: Fetchable) -> None:
+    def add(self, layer: ServedLayer) -> None:
         self._send.send_nowait(layer)
 
     async def run(self) -> None:
         async for layer in self._receive:
             await self._fetch(layer)
 
-    async def _fetch(self, layer: Fetchable) -> None:
+    async def _fetch(self, layer: ServedLayer) -> None:
         reader = layer.reader
         blocks = reader.index.blocks
         missing = [n for n in range(len(blocks)) if n not in reader.cached]

@@ -1,6 +1,7 @@
-"""The LMDB block index: (layer, block number) -> where the block lives in
-the compressed blob, in the uncompressed stream and in the local cache file,
-its state and the crc32 of its uncompressed bytes. Blocks are recorded once
+"""The LMDB block index: (layer copy, block number) -> the block's state and
+the crc32 of its uncompressed bytes. Where a block lives (in the compressed
+blob, the uncompressed stream, the cache file) follows from the layer index:
+the cache file is the uncompressed layer, sparse. Blocks are recorded once
 written, without waiting for the disk; the crc lets a restarted server check
 each block on its first read, so a block lost in a power cut is fetched
 again rather than served as zeros."""
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import lmdb
 
-_RECORD = struct.Struct(">QQQQQBI")
+_RECORD = struct.Struct(">BI")
 
 
 class BlockState(enum.IntEnum):
@@ -23,11 +24,6 @@ class BlockState(enum.IntEnum):
 
 @dataclass(frozen=True)
 class BlockRecord:
-    cstart: int
-    cend: int
-    ustart: int
-    uend: int
-    cache_offset: int
     state: BlockState
     crc32: int
 
@@ -42,15 +38,7 @@ class BlockIndex:
         self._env = lmdb.open(str(path), map_size=map_size, max_dbs=1)
 
     def put(self, layer: str, number: int, record: BlockRecord) -> None:
-        value = _RECORD.pack(
-            record.cstart,
-            record.cend,
-            record.ustart,
-            record.uend,
-            record.cache_offset,
-            record.state,
-            record.crc32,
-        )
+        value = _RECORD.pack(record.state, record.crc32)
         with self._env.begin(write=True) as txn:
             txn.put(_key(layer, number), value)
 
@@ -65,11 +53,14 @@ class BlockIndex:
                     if not key.startswith(prefix):
                         break
                     (number,) = struct.unpack(">I", key[len(prefix) :])
-                    cstart, cend, ustart, uend, offset, state, crc = _RECORD.unpack(value)
-                    out[number] = BlockRecord(cstart, cend, ustart, uend, offset, BlockState(state), crc)
+                    # Records of earlier versions lead with five offsets:
+                    # state and crc are always the tail.
+                    state, crc = _RECORD.unpack(value[-_RECORD.size :])
+                    out[number] = BlockRecord(BlockState(state), crc)
         return out
 
     def drop_layer(self, layer: str) -> None:
+        """Forget every block of a layer copy (a pruned layer's records)."""
         prefix = bytes.fromhex(layer)
         with self._env.begin(write=True) as txn:
             cursor = txn.cursor()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,10 +19,10 @@ import pyfuse3
 import structlog
 import trio
 
-from recorder.requests import CONTROL_PREFIX
 from snapshotter.fs.background import BackgroundFetch
 from snapshotter.fs.blockindex import BlockIndex
-from snapshotter.fs.layers import CACHE, LayerSource, LayerStore, layer_name
+from snapshotter.fs.control import CONTROL_PREFIX
+from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
 from snapshotter.fs.reader import BlockUnavailable, LayerReader, Origin, RangeFetcher
 from snapshotter.layer.tree import ROOT, LayerTree, Node, build_tree
 
@@ -134,7 +134,7 @@ class LayerFS(pyfuse3.Operations):
             name,
             source.cache_key,
             index,
-            self.store.path(name) / CACHE,
+            self.store.cache_path(name),
             self.block_index,
             self.fetcher_for(source),
             self.limiter,
@@ -217,7 +217,7 @@ class LayerFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOENT)
         return self._attr(layer, child)
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         # Trees stay in memory for the mount's life; nothing to release.
         return None
 
@@ -240,8 +240,8 @@ class LayerFS(pyfuse3.Operations):
             return
         layer, node = self._resolve(fh)
         entries = sorted((node.children or {}).items())
-        for n, (name, ino) in enumerate(entries[start_id:], start_id + 1):
-            if not pyfuse3.readdir_reply(token, name, self._attr(layer, layer.tree.nodes[ino]), n):
+        for n, (child, ino) in enumerate(entries[start_id:], start_id + 1):
+            if not pyfuse3.readdir_reply(token, child, self._attr(layer, layer.tree.nodes[ino]), n):
                 return
 
     async def releasedir(self, fh: int) -> None:

@@ -5,7 +5,9 @@ layer server (which serves them):
     STORE/<hex>/source.json  where the blob lives and which copy this is:
                              {"ref": "host/repo", "digest": "sha256:...", "generation": "<hex>"}
     STORE/<hex>/cache        uncompressed layer bytes, filled block by block (sparse)
-    STORE/blocks.lmdb/       the block index: (layer, block) -> place and state
+    STORE/blocks.lmdb/       the block index: (layer copy, block) -> state and crc
+    STORE/hot.lmdb/          hot-block manifests this node holds (recorder.localstore)
+    STORE/images/<hex>.json  image requests to the layer server (fs.control)
 
 A layer directory appears complete or not at all: it is written under a
 temporary name and renamed, so the server never loads half a layer. Each
@@ -26,11 +28,15 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.layer.index import LayerIndex
 
 INDEX = "index"
 SOURCE = "source.json"
 CACHE = "cache"
+BLOCK_INDEX = "blocks.lmdb"
+HOT_MANIFESTS = "hot.lmdb"
+REQUESTS = "images"
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,12 @@ class LayerSource:
     @property
     def cache_key(self) -> str:
         """The block index's name for this copy of the layer (hex)."""
-        return layer_name(self.digest) + self.generation
+        return copy_key(layer_name(self.digest), self.generation)
+
+
+def copy_key(name: str, generation: str) -> str:
+    """The block index's name for one copy of layer `name`."""
+    return name + generation
 
 
 def layer_name(digest: str) -> str:
@@ -59,6 +70,20 @@ class LayerStore:
 
     def path(self, name: str) -> Path:
         return self.root / name
+
+    @property
+    def block_index_path(self) -> Path:
+        return self.root / BLOCK_INDEX
+
+    @property
+    def hot_manifests_path(self) -> Path:
+        return self.root / HOT_MANIFESTS
+
+    def request_path(self, name: str) -> Path:
+        return self.root / REQUESTS / f"{name}.json"
+
+    def cache_path(self, name: str) -> Path:
+        return self.path(name) / CACHE
 
     def has(self, digest: str) -> bool:
         return (self.path(layer_name(digest)) / INDEX).exists()
@@ -107,17 +132,30 @@ class LayerStore:
     def prune(self, keep: set[str], older_than_s: float) -> list[str]:
         """Remove layers whose digest is not in `keep` and that were added
         more than `older_than_s` ago (younger ones may belong to a Prepare in
-        progress). Returns the names removed."""
+        progress), with their block records. Returns the names removed."""
         removed = []
+        copies = []
         now = time.time()
         for name in self.names():
             directory = self.path(name)
             if f"sha256:{name}" in keep or now - directory.stat().st_mtime < older_than_s:
                 continue
+            generation = self.generation(name)
             doomed = directory.with_name(f".rm-{name}-{uuid.uuid4().hex[:8]}")
             os.rename(directory, doomed)
             shutil.rmtree(doomed)
             removed.append(name)
+            if generation is not None:
+                copies.append(copy_key(name, generation))
+        if copies and self.block_index_path.exists():
+            # The layer server may hold the index open too: LMDB serialises
+            # writers across processes.
+            block_index = BlockIndex(self.block_index_path)
+            try:
+                for copy in copies:
+                    block_index.drop_layer(copy)
+            finally:
+                block_index.close()
         return removed
 
     def names(self) -> list[str]:

@@ -8,6 +8,7 @@ fetch, the others wait for it.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import time
@@ -21,7 +22,7 @@ import trio
 
 from snapshotter.fs import metrics
 from snapshotter.fs.blockindex import BlockIndex, BlockRecord, BlockState
-from snapshotter.layer.blockmath import ReadAhead, fetch_runs, split_run
+from snapshotter.layer.blockmath import InOrderReadAhead, fetch_runs, split_run
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import LayerIndex
 
@@ -89,7 +90,7 @@ class LayerReader:
             Origin.HOT: prefetch_limiter,
             Origin.BACKGROUND: background_limiter,
         }
-        self.readahead = ReadAhead()
+        self.readahead = InOrderReadAhead()
         # Blocks read ahead and not read yet: reaching one reads further ahead.
         # Blocks the hot-block prefetcher brought in do not: it is ahead already.
         self.readahead_marks: set[int] = set()
@@ -149,11 +150,9 @@ class LayerReader:
         return bytes(buffer)
 
     async def _read_ahead(self, numbers: list[int]) -> None:
-        try:
+        # The reader gets the error if and when it gets there.
+        with contextlib.suppress(BlockUnavailable):
             await self.ensure(numbers, Origin.READAHEAD)
-        except BlockUnavailable:
-            # The reader gets the error if and when it gets there.
-            pass
 
     def _verify(self, n: int) -> None:
         # In the event loop, not a thread: a concurrent read of the same block
@@ -287,13 +286,4 @@ class LayerReader:
         block = self.index.blocks[number]
         data = self.decoder.decode(number, compressed)
         os.pwrite(self.fd, data, block.ustart)
-        record = BlockRecord(
-            block.cstart,
-            block.cend,
-            block.ustart,
-            block.uend,
-            block.ustart,
-            BlockState.CACHED,
-            zlib.crc32(data),
-        )
-        self.block_index.put(self.cache_key, number, record)
+        self.block_index.put(self.cache_key, number, BlockRecord(BlockState.CACHED, zlib.crc32(data)))

@@ -61,7 +61,7 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 def serve(fs: FsConfig, registry: RegistryConfig) -> None:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     store = LayerStore(fs.store)
-    block_index = BlockIndex(fs.store / "blocks.lmdb")
+    block_index = BlockIndex(store.block_index_path)
     client = client_from_config(registry)
 
     def fetcher_for(source: LayerSource) -> RangeFetcher:
@@ -77,10 +77,10 @@ def serve(fs: FsConfig, registry: RegistryConfig) -> None:
         fs.background_bandwidth if fs.background_fetch else 0,
         fs.whole_layer_bytes,
     )
-    local = LocalManifests(fs.store / "hot.lmdb")
+    local = LocalManifests(store.hot_manifests_path)
     hot = (
         HotBlocks(
-            fs.store,
+            store,
             ops.layer_for_digest,
             client,
             local,

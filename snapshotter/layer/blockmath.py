@@ -14,10 +14,12 @@ MAX_RUN_BYTES = 16 << 20
 
 
 def fetch_runs(numbers: Iterable[int], blocks: list[Block], max_bytes: int = MAX_RUN_BYTES) -> list[list[int]]:
-    """Group block numbers into runs of consecutive blocks, each fetched with
-    one Range request over [blocks[run[0]].cstart, blocks[run[-1]].cend)."""
+    """Group block numbers, in the order given, into runs of consecutive
+    blocks, each fetched with one Range request over
+    [blocks[run[0]].cstart, blocks[run[-1]].cend). The order is the caller's:
+    file order for reads, first-access order for a hot-block manifest."""
     runs: list[list[int]] = []
-    for n in sorted(set(numbers)):
+    for n in numbers:
         if runs:
             run = runs[-1]
             contiguous = n == run[-1] + 1
@@ -37,13 +39,14 @@ def split_run(run: list[int], blocks: list[Block], data: bytes) -> dict[int, byt
 
 
 @dataclass
-class ReadAhead:
+class InOrderReadAhead:
     """Which blocks to fetch ahead of a reader going through a layer in order.
 
     Reads inside the block last seen, or in the next one, count as sequential;
     each step into a new block doubles the window (from 2, up to
     `max_blocks`); any other read closes it. Random access fetches nothing
-    it did not ask for.
+    it did not ask for. Unlike hdfs_fuse's ReorderTolerantReadAhead, it accepts
+    no disorder beyond the block last seen and the next one.
     """
 
     max_blocks: int = 8

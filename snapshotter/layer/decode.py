@@ -14,12 +14,16 @@ from __future__ import annotations
 import hashlib
 import io
 import threading
+from typing import TYPE_CHECKING
 
 import indexed_gzip
 from isal import isal_zlib
 
 from snapshotter.layer import checkpoints
 from snapshotter.layer.index import Compression, LayerIndex
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 
 class BlockVerificationError(Exception):
@@ -59,12 +63,13 @@ class _BlockWindow(io.RawIOBase):
     def tell(self) -> int:
         return self.pos
 
-    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+    def readinto(self, buffer: WriteableBuffer) -> int:
         lo = self.pos - self.start
         if lo < 0:
             raise OSError(f"read at {self.pos} before the fetched block range at {self.start}")
-        chunk = self.data[lo : lo + len(buffer)]
-        buffer[: len(chunk)] = chunk
+        view = memoryview(buffer).cast("B")
+        chunk = self.data[lo : lo + len(view)]
+        view[: len(chunk)] = chunk
         self.pos += len(chunk)
         return len(chunk)
 
@@ -108,11 +113,15 @@ class BlockDecoder:
                 f"block {number} of {self.index.layer_digest} decompressed to {len(out)} bytes, expected {want}"
             )
         following = self._points.get(block.uend)
-        if following is not None and following.window is not None and want >= len(following.window):
-            if out[len(out) - len(following.window) :] != following.window:
-                raise BlockVerificationError(
-                    f"block {number} of {self.index.layer_digest} decompressed to bytes the next checkpoint disowns"
-                )
+        if (
+            following is not None
+            and following.window is not None
+            and want >= len(following.window)
+            and out[len(out) - len(following.window) :] != following.window
+        ):
+            raise BlockVerificationError(
+                f"block {number} of {self.index.layer_digest} decompressed to bytes the next checkpoint disowns"
+            )
         return out
 
     def _inflate(self, number: int, data: bytes, want: int) -> bytes | None:
@@ -128,7 +137,8 @@ class BlockDecoder:
             zdict = {"zdict": point.window} if point.window is not None else {}
             inflater = isal_zlib.decompressobj(-15, **zdict)
             return inflater.decompress(checkpoints.raw_stream(point, data), want)
-        except isal_zlib.error:
+        # isal's stub declares `error` as an instance, not the class it is.
+        except isal_zlib.error:  # type: ignore[misc]
             return None
 
     def _inflate_with_zran(self, number: int, data: bytes, want: int) -> bytes:
@@ -140,7 +150,8 @@ class BlockDecoder:
             self._window.start, self._window.data = block.cstart, data
             try:
                 self._gzip.seek(block.ustart)
-                return self._gzip.read(want)
+                out: bytes = self._gzip.read(want)
+                return out
             except Exception as exc:
                 raise BlockVerificationError(
                     f"block {number} of {self.index.layer_digest} does not decompress: {exc}"

@@ -34,7 +34,8 @@ from typing import Any
 
 import zstandard
 
-from snapshotter.layer import checkpoints
+from snapshotter.layer.checkpoints import Checkpoint, CheckpointFormatError
+from snapshotter.layer.checkpoints import parse as parse_checkpoints
 
 FORMAT_VERSION = 1
 MAGIC = b"bootseer-layer-index\x00"
@@ -51,12 +52,12 @@ class IndexFormatError(ValueError):
     pass
 
 
-class Compression(str, enum.Enum):
+class Compression(enum.StrEnum):
     GZIP = "gzip"
     NONE = "none"
 
 
-class EntryType(str, enum.Enum):
+class EntryType(enum.StrEnum):
     REG = "reg"
     DIR = "dir"
     SYMLINK = "symlink"
@@ -106,11 +107,11 @@ class LayerIndex:
         self._ustarts = [b.ustart for b in self.blocks]
 
     @functools.cached_property
-    def checkpoints_by_offset(self) -> dict[int, checkpoints.Checkpoint]:
+    def checkpoints_by_offset(self) -> dict[int, Checkpoint]:
         """The gzip checkpoints by uncompressed offset (empty for plain tar)."""
         if self.compression != Compression.GZIP:
             return {}
-        return {p.uncompressed: p for p in checkpoints.parse(self.checkpoints)}
+        return {p.uncompressed: p for p in parse_checkpoints(self.checkpoints)}
 
     def block_range(self, ustart: int, uend: int) -> range:
         """Numbers of the blocks holding uncompressed bytes [ustart, uend)."""
@@ -185,7 +186,7 @@ class LayerIndex:
         if self.compression == Compression.GZIP:
             try:
                 points = self.checkpoints_by_offset
-            except checkpoints.CheckpointFormatError as exc:
+            except CheckpointFormatError as exc:
                 raise IndexFormatError(f"gzip layer index: {exc}") from None
             if any(b.ustart not in points for b in self.blocks):
                 raise IndexFormatError("a block does not start at a gzip checkpoint")

@@ -13,6 +13,8 @@ from proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc
 from tests.harness.procs import free_tcp_port, tcp_port_answers, wait_until
 from tests.harness.snapshotter import Snapshotter, start_snapshotter
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def with_metrics() -> Iterator[tuple[Snapshotter, int]]:

@@ -88,7 +88,7 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
         blobs: dict[str, Blob], store_dir: Path | None = None, background_bandwidth: int = 0, whole_layer_bytes: int = 0
     ) -> Mounted:
         store = LayerStore(store_dir or tmp_path / "store")
-        block_index = BlockIndex(store.root / "blocks.lmdb")
+        block_index = BlockIndex(store.block_index_path)
         mountpoint = tmp_path / f"m{len(mounted)}"
         mountpoint.mkdir()
         ops = LayerFS(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from snapshotter.fs.layers import LayerStore
 from tests.fs.conftest import Blob, Mounted, add_layer, make_layer, unmount
 from tests.harness.procs import wait_until
 
@@ -89,7 +90,7 @@ def test_tree_matches_the_tar(mount_layers: Callable[..., Mounted], tmp_path: Pa
     null = os.lstat(root / "dev/null")
     assert stat.S_ISCHR(null.st_mode) and (os.major(null.st_rdev), os.minor(null.st_rdev)) == (1, 3)
     with pytest.raises(OSError) as exc:
-        open(root / "etc/config.json", "r+b")
+        os.open(root / "etc/config.json", os.O_RDWR)
     assert exc.value.errno in (errno.EROFS, errno.EACCES)
     assert os.statvfs(root).f_bsize == 4096
 
@@ -210,8 +211,6 @@ def test_cached_block_lost_before_a_restart_is_fetched_again(
 ) -> None:
     data = random.Random(19).randbytes(1 << 20)
     blob = make_layer([(info("a", size=len(data)), data)])
-    from snapshotter.fs.layers import CACHE, LayerStore
-
     store = LayerStore(tmp_path / "store")
     digest = add_layer(store, tmp_path, blob, SPAN)
     source = Blob(blob)
@@ -219,7 +218,7 @@ def test_cached_block_lost_before_a_restart_is_fetched_again(
     assert (m.layer(digest) / "a").read_bytes() == data
     unmount(m)
     # What a power cut can do: the block index says cached, the bytes are gone.
-    with open(store.path(digest.split(":")[1]) / CACHE, "r+b") as cache:
+    with open(store.cache_path(digest.split(":")[1]), "r+b") as cache:
         cache.write(b"\0" * (2 * SPAN))
     fetched = source.bytes_fetched
     again = mount_layers({digest: source}, tmp_path / "store")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import trio
 
-from snapshotter.fs.blockindex import BlockIndex
-from snapshotter.fs.layers import CACHE, LayerStore
+from snapshotter.fs.blockindex import BlockIndex, BlockRecord, BlockState
+from snapshotter.fs.layers import LayerStore
 from snapshotter.fs.reader import LayerReader, Origin
 from tests.fs.conftest import Blob, add_layer, make_layer
 
@@ -26,8 +26,8 @@ def _reader(tmp_path: Path, source: Blob, blob: bytes) -> LayerReader:
         name,
         layer_source.cache_key,
         index,
-        store.path(name) / CACHE,
-        BlockIndex(tmp_path / "blocks.lmdb"),
+        store.cache_path(name),
+        BlockIndex(store.block_index_path),
         source.fetch,
         trio.CapacityLimiter(4),
         trio.CapacityLimiter(4),
@@ -80,3 +80,24 @@ def test_hot_blocks_do_not_set_off_read_ahead(tmp_path: Path) -> None:
 
     trio.run(main)
     assert _fetched_blocks(reader, source) == set(range(6))
+
+
+def test_a_pruned_layer_takes_its_block_records_with_it(tmp_path: Path) -> None:
+    blob, _ = _layer()
+    store = LayerStore(tmp_path / "store")
+    digest = add_layer(store, tmp_path, blob, SPAN)
+    name = digest.split(":")[1]
+    cache_key = store.load(name)[1].cache_key
+    block_index = BlockIndex(store.block_index_path)
+    block_index.put(cache_key, 0, BlockRecord(BlockState.CACHED, 1))
+    block_index.put("ab" * 32 + "00", 0, BlockRecord(BlockState.CACHED, 2))
+    block_index.close()
+
+    assert store.prune(keep=set(), older_than_s=0) == [name]
+
+    block_index = BlockIndex(store.block_index_path)
+    try:
+        assert block_index.cached(cache_key) == {}
+        assert block_index.cached("ab" * 32 + "00") == {0: BlockRecord(BlockState.CACHED, 2)}
+    finally:
+        block_index.close()

@@ -107,6 +107,7 @@ class Containerd:
             capture_output=True,
             text=True,
             timeout=timeout,
+            check=False,
         )
         if check and result.returncode != 0:
             raise CtrError(result)
@@ -220,7 +221,9 @@ def start_containerd(snapshotter_address: Path) -> Containerd:
     def ready() -> bool:
         if not unix_socket_answers(address):
             return False
-        version = subprocess.run([CTR_BIN, "--address", str(address), "version"], capture_output=True, timeout=10)
+        version = subprocess.run(
+            [CTR_BIN, "--address", str(address), "version"], capture_output=True, timeout=10, check=False
+        )
         return version.returncode == 0
 
     try:

@@ -101,7 +101,7 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
         def _relay(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else b""
-            headers = {k: v for k, v in self.headers.items()}
+            headers = dict(self.headers.items())
             fault = proxy.take_fault(self.command, self.path)
             proxy.record(Seen(self.command, self.path, headers, fault.kind if fault else ""))
             if fault is not None and fault.kind == "drop":

@@ -112,7 +112,7 @@ class LayerServer:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.config.metrics_port}/metrics").read().decode()
         total = 0.0
         for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
+            if line.startswith((name + " ", name + "{")):
                 total += float(line.rsplit(" ", 1)[1])
         return total
 

@@ -24,6 +24,7 @@ class LazyNode:
             capture_output=True,
             text=True,
             timeout=300,
+            check=False,
         )
         if check and result.returncode != 0:
             raise RuntimeError(

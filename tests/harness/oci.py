@@ -311,6 +311,7 @@ def push(layout: ImageLayout, reference: str, creds: str = "") -> None:
         ],
         capture_output=True,
         text=True,
+        check=False,
     )
     if result.returncode != 0:
         raise RuntimeError(f"skopeo copy to {reference} failed ({result.returncode}):\n{result.stderr}")

@@ -7,6 +7,7 @@ name: the machine may run other containerd or registry instances.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -83,10 +84,8 @@ class Daemon:
         Used at session end only, after `stop`, so helpers the daemon forked
         (and that did not leave its group) do not outlive the tests.
         """
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.poll()
 
 
@@ -189,7 +188,5 @@ def kill_pid(pid: int, grace: float = DEFAULT_STOP_GRACE) -> None:
     deadline = time.monotonic() + grace
     while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

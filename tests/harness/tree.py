@@ -178,9 +178,9 @@ def unmount_under(directory: Path) -> list[str]:
     for point in reversed(mount_points()):
         if point != prefix and not point.startswith(prefix + "/"):
             continue
-        if subprocess.run(["umount", point], capture_output=True).returncode == 0:
+        if subprocess.run(["umount", point], capture_output=True, check=False).returncode == 0:
             continue
-        lazy = subprocess.run(["umount", "--lazy", point], capture_output=True, text=True)
+        lazy = subprocess.run(["umount", "--lazy", point], capture_output=True, text=True, check=False)
         if lazy.returncode != 0:
             leftovers.append(f"{point}: {lazy.stderr.strip()}")
     return leftovers
@@ -208,7 +208,7 @@ def mount(m: Mount, target: Path) -> None:
     # "bind" is not a filesystem type: mount(8) takes bind/rbind as options.
     type_args = [] if m.type == "bind" else ["-t", m.type]
     argv = ["mount", *type_args, *(["-o", options] if options else []), m.source, os.fspath(target)]
-    result = subprocess.run(argv, capture_output=True, text=True)
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"`{' '.join(argv)}` failed: {result.stderr.strip()}")
 

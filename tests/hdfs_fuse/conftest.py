@@ -3,6 +3,7 @@ run by the real CLI, each stopped by PID and unmounted at teardown."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -12,6 +13,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,9 +26,9 @@ STRIPE = 256 * 1024
 REPO = Path(__file__).resolve().parents[2]
 
 
-def small_config(**overrides: object) -> HdfsFuseConfig:
+def small_config(**overrides: Any) -> HdfsFuseConfig:
     """Small stripes so a few MB exercise many of them; a short retry budget."""
-    values: dict[str, object] = dict(
+    small = HdfsFuseConfig(
         stripe_size=STRIPE,
         streams=4,
         readahead=8 * STRIPE,
@@ -38,8 +40,7 @@ def small_config(**overrides: object) -> HdfsFuseConfig:
         io_timeout=5.0,
         attr_ttl=1.0,
     )
-    values.update(overrides)
-    return HdfsFuseConfig(**values)  # type: ignore[arg-type]
+    return dataclasses.replace(small, **overrides)
 
 
 @dataclass
@@ -86,8 +87,8 @@ def private_nginx(tmp_path: Path) -> Iterator[Callable[..., Nginx]]:
     """Start an nginx of the test's own (it may stop and restart it)."""
     started: list[Nginx] = []
 
-    def start(root: Path, **kwargs: object) -> Nginx:
-        server = start_nginx(root, **kwargs)  # type: ignore[arg-type]
+    def start(root: Path, **kwargs: Any) -> Nginx:
+        server = start_nginx(root, **kwargs)
         started.append(server)
         return server
 
@@ -116,6 +117,7 @@ def _umount(path: Path) -> None:
         capture_output=True,
         text=True,
         cwd=REPO,
+        check=False,
     )
     if result.returncode != 0 and mountinfo.current(path) is not None:
         subprocess.run(["fusermount3", "-u", "-z", str(path)], check=False)

@@ -181,6 +181,8 @@ def test_file_replaced_mid_read_fails_instead_of_mixing_versions(
 def test_server_without_range_support_is_refused(tmp_path: Path, private_nginx: Callable[..., Nginx]) -> None:
     _slow_file(tmp_path, size=4 * STRIPE)
     server = private_nginx(tmp_path, ranges=False)
-    with hdfs_fuse.open(f"{server.url}/slow.bin", small_config()) as f:
-        with pytest.raises(hdfs_fuse.RemoteReadError, match="ignores Range"):
-            f.read(10)
+    with (
+        hdfs_fuse.open(f"{server.url}/slow.bin", small_config()) as f,
+        pytest.raises(hdfs_fuse.RemoteReadError, match="ignores Range"),
+    ):
+        f.read(10)

@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,9 +27,9 @@ def uri(tree: Tree, name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def client() -> Client:
+def client() -> Iterator[Client]:
     with Client(small_config()) as c:
-        yield c  # type: ignore[misc]
+        yield c
 
 
 def test_whole_files_read_back_exactly(tree: Tree, client: Client) -> None:
@@ -250,7 +251,7 @@ def test_straggler_gets_a_second_read(tree: Tree) -> None:
                 release.wait(10)
             return real_read_at(offset, length)
 
-        reader.remote.read_at = first_call_hangs  # type: ignore[method-assign]
+        reader.remote.read_at = first_call_hangs  # type: ignore[method-assign]  # a stub for this one file's reads
         try:
             f = hdfs_fuse.StripedFile(reader)
             assert f.read(100) == data[:100]

@@ -86,22 +86,20 @@ def test_torch_load_of_a_checkpoint(tmp_path: Path, mount: Callable[..., Mount])
     src = tmp_path / "ckpt"
     src.mkdir()
     torch.manual_seed(0)
-    state = {
-        "model": {f"layer{i}.weight": torch.randn(256, 257) for i in range(6)},
-        "optimizer": {"step": 1234, "lr": 3e-4, "momentum": torch.randn(1000)},
-    }
-    torch.save(state, src / "model.pt")
+    model = {f"layer{i}.weight": torch.randn(256, 257) for i in range(6)}
+    momentum = torch.randn(1000)
+    torch.save({"model": model, "optimizer": {"step": 1234, "lr": 3e-4, "momentum": momentum}}, src / "model.pt")
     m = mount(f"file://{src}")
     loaded = torch.load(m.path / "model.pt", weights_only=True)
     assert loaded["optimizer"]["step"] == 1234
-    for key, tensor in state["model"].items():
+    for key, tensor in model.items():
         assert torch.equal(loaded["model"][key], tensor)
-    assert torch.equal(loaded["optimizer"]["momentum"], state["optimizer"]["momentum"])
+    assert torch.equal(loaded["optimizer"]["momentum"], momentum)
 
 
 def test_concurrent_readers_through_the_mount(tree: Tree, mount: Callable[..., Mount]) -> None:
     m = mount(f"file://{tree.root}")
-    names = [n for n in tree.files] * 4
+    names = list(tree.files) * 4
 
     def digest(name: str) -> bool:
         with open(m.path / name, "rb", buffering=0) as f:
@@ -114,11 +112,16 @@ def test_concurrent_readers_through_the_mount(tree: Tree, mount: Callable[..., M
         assert all(pool.map(digest, names))
 
 
+def _open_and_close(path: Path, mode: str) -> None:
+    with open(path, mode):
+        pass
+
+
 def test_writes_are_refused_with_erofs(tree: Tree, mount: Callable[..., Mount]) -> None:
     m = mount(f"file://{tree.root}")
-    attempts = [
-        lambda: open(m.path / "new.txt", "wb"),
-        lambda: open(m.path / "small.txt", "r+b"),
+    attempts: list[Callable[[], object]] = [
+        lambda: _open_and_close(m.path / "new.txt", "wb"),
+        lambda: _open_and_close(m.path / "small.txt", "r+b"),
         lambda: os.mkdir(m.path / "dir"),
         lambda: os.unlink(m.path / "small.txt"),
         lambda: os.rename(m.path / "small.txt", m.path / "x"),
@@ -176,13 +179,16 @@ def test_cli_mount_in_background_and_umount(tree: Tree, tmp_path: Path) -> None:
         text=True,
         cwd=REPO,
         timeout=60,
+        check=False,
     )
     try:
         assert started.returncode == 0, started.stderr
         pid = int(started.stdout.split("(pid ")[1].split(",")[0])
         assert (mountpoint / "small.txt").read_bytes() == tree.files["small.txt"]
     finally:
-        stopped = subprocess.run([*cli, "umount", str(mountpoint)], capture_output=True, text=True, cwd=REPO)
+        stopped = subprocess.run(
+            [*cli, "umount", str(mountpoint)], capture_output=True, text=True, cwd=REPO, check=False
+        )
     assert stopped.returncode == 0, stopped.stderr
     assert mountinfo.current(mountpoint) is None
     deadline = time.monotonic() + 10
@@ -193,9 +199,11 @@ def test_cli_mount_in_background_and_umount(tree: Tree, tmp_path: Path) -> None:
 
 def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "bootseer.cli", "hdfs-fuse"]
-    bad = subprocess.run([*cli, "mount", "ftp://x/y", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    bad = subprocess.run(
+        [*cli, "mount", "ftp://x/y", str(tmp_path)], capture_output=True, text=True, cwd=REPO, check=False
+    )
     assert bad.returncode == 1 and "scheme must be one of" in bad.stderr
-    missing = subprocess.run([*cli, "umount", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    missing = subprocess.run([*cli, "umount", str(tmp_path)], capture_output=True, text=True, cwd=REPO, check=False)
     assert missing.returncode == 1 and "is not mounted" in missing.stderr
 
 

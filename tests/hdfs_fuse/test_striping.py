@@ -6,7 +6,7 @@ import pytest
 
 from hdfs_fuse import mountinfo
 from hdfs_fuse.settings import HdfsFuseConfig, parse_size
-from hdfs_fuse.striping import Geometry, ReadAhead, backoff_delay, window_limit
+from hdfs_fuse.striping import Geometry, ReorderTolerantReadAhead, backoff_delay, window_limit
 
 
 def test_geometry_extents_cover_the_file_exactly() -> None:
@@ -34,7 +34,7 @@ def test_window_limit_keeps_a_stripe_of_memory_free() -> None:
 
 
 def test_readahead_grows_while_sequential() -> None:
-    ra = ReadAhead(max_window=16)
+    ra = ReorderTolerantReadAhead(max_window=16)
     sequential, ahead = ra.on_access(0, 0)
     assert sequential and ahead == range(1, 3)
     windows = []
@@ -46,7 +46,7 @@ def test_readahead_grows_while_sequential() -> None:
 
 
 def test_readahead_stays_put_within_a_stripe() -> None:
-    ra = ReadAhead(max_window=16)
+    ra = ReorderTolerantReadAhead(max_window=16)
     ra.on_access(0, 0)
     for _ in range(5):
         _, ahead = ra.on_access(0, 0)
@@ -54,7 +54,7 @@ def test_readahead_stays_put_within_a_stripe() -> None:
 
 
 def test_readahead_collapses_on_random_access() -> None:
-    ra = ReadAhead(max_window=16)
+    ra = ReorderTolerantReadAhead(max_window=16)
     for stripe in range(4):
         ra.on_access(stripe, stripe)
     sequential, ahead = ra.on_access(100, 100)
@@ -64,7 +64,7 @@ def test_readahead_collapses_on_random_access() -> None:
 
 
 def test_readahead_tolerates_slightly_reordered_requests() -> None:
-    ra = ReadAhead(max_window=16)
+    ra = ReorderTolerantReadAhead(max_window=16)
     for stripe in range(4):
         ra.on_access(stripe, stripe)
     # The kernel's parallel read-ahead requests overtake one another.
@@ -74,12 +74,12 @@ def test_readahead_tolerates_slightly_reordered_requests() -> None:
 
 
 def test_random_first_access_fetches_nothing_extra() -> None:
-    ra = ReadAhead(max_window=16)
+    ra = ReorderTolerantReadAhead(max_window=16)
     assert ra.on_access(7, 7) == (False, range(0))
 
 
 def test_readahead_off_when_no_window() -> None:
-    ra = ReadAhead(max_window=0)
+    ra = ReorderTolerantReadAhead(max_window=0)
     assert ra.on_access(0, 0)[1] == range(0)
     assert ra.on_access(1, 1)[1] == range(0)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hdfs_fuse import uri as uri_mod
-from hdfs_fuse.arrow_backend import ArrowBackend
-from hdfs_fuse.backends import HttpBackend, backend_for
+from hdfs_fuse.backends import backend_for
+from hdfs_fuse.backends.arrow import ArrowBackend
+from hdfs_fuse.backends.http import HttpBackend
 from hdfs_fuse.errors import PermanentError
 from hdfs_fuse.settings import HdfsFuseConfig
 from hdfs_fuse.uri import Location, URIError, parse

@@ -85,6 +85,7 @@ def _bootseer_pull(containerd: Containerd, ref: str, snapshotter: str = "bootsee
         capture_output=True,
         text=True,
         timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     return result.stdout
@@ -202,6 +203,7 @@ def test_bad_reference_and_missing_image(containerd: Containerd, images: ImageBu
         capture_output=True,
         text=True,
         timeout=120,
+        check=False,
     )
     assert result.returncode == 1
     assert "not found" in result.stderr and f"pull/missing-{unique}" in result.stderr
@@ -210,6 +212,7 @@ def test_bad_reference_and_missing_image(containerd: Containerd, images: ImageBu
         capture_output=True,
         text=True,
         timeout=60,
+        check=False,
     )
     assert bad.returncode == 1 and "invalid repository" in bad.stderr
 

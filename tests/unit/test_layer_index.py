@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from snapshotter.layer.blockmath import ReadAhead, fetch_runs, split_run
+from snapshotter.layer.blockmath import InOrderReadAhead, fetch_runs, split_run
 from snapshotter.layer.build import UnsupportedLayer, build_index
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import (
@@ -60,7 +60,7 @@ def test_every_block_decodes_to_the_uncompressed_stream(tmp_path: Path, gz: bool
     for n in order:
         b = index.blocks[n]
         assert decoder.decode(n, blob[b.cstart : b.cend]) == raw[b.ustart : b.uend]
-    for entry, (name, data) in zip(index.entries, members):
+    for entry, (name, data) in zip(index.entries, members, strict=False):
         assert entry.name == name
         assert raw[entry.offset : entry.offset + entry.size] == data
 
@@ -85,7 +85,9 @@ def test_block_range_and_fetch_runs() -> None:
     assert index.block_range(100, 200) == range(1, 2)
     assert index.block_range(950, 5000) == range(9, 10)
     assert index.block_range(5, 5) == range(0)
-    assert fetch_runs([5, 1, 2, 3, 7, 8], blocks) == [[1, 2, 3], [5], [7, 8]]
+    assert fetch_runs([1, 2, 3, 5, 7, 8], blocks) == [[1, 2, 3], [5], [7, 8]]
+    # The caller's order stands: a manifest's first-access order is kept.
+    assert fetch_runs([5, 1, 2, 3, 8, 7], blocks) == [[5], [1, 2, 3], [8], [7]]
     assert fetch_runs([1, 2, 3], blocks, max_bytes=25) == [[1, 2], [3]]
     data = bytes(range(41))
     parts = split_run([1, 2, 3], blocks, data[: blocks[3].cend - blocks[1].cstart])
@@ -175,7 +177,7 @@ def test_tree_refuses_broken_hardlinks_and_file_parents() -> None:
 
 
 def test_read_ahead_grows_on_sequential_reads_and_stops_on_random_ones() -> None:
-    ra = ReadAhead(max_blocks=8)
+    ra = InOrderReadAhead(max_blocks=8)
     assert ra.observe(0, 0) == range(1, 1)  # a first read fetches nothing extra
     assert ra.observe(0, 0) == range(1, 1)  # more reads in the same block
     assert ra.observe(1, 1) == range(2, 4)  # into the next block: 2 ahead
@@ -185,7 +187,7 @@ def test_read_ahead_grows_on_sequential_reads_and_stops_on_random_ones() -> None
     assert ra.observe(40, 40) == range(41, 41)  # a jump closes the window
     assert ra.observe(41, 41) == range(42, 44)
     # Reads that straddle block boundaries (file data rarely starts at one).
-    ra = ReadAhead(max_blocks=8)
+    ra = InOrderReadAhead(max_blocks=8)
     assert ra.observe(0, 0) == range(1, 1)
     assert ra.observe(0, 1) == range(2, 4)
     assert ra.observe(1, 1) == range(2, 4)

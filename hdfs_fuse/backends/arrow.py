@@ -2,9 +2,9 @@
 used), s3://, gs:// and file://, so the striping tested on local files runs
 the exact code path HDFS uses.
 
-A module of its own so that pyarrow (and numpy, which it loads) is imported
-only when one of these schemes is opened: the CLI and the HTTP backend do
-without it.
+`backend_for` imports this module only when one of these schemes is opened,
+so that pyarrow (and numpy, which it loads) stays out of the CLI and the
+HTTP backend.
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import errno
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import pyarrow
 import pyarrow.fs as pafs
 
-from hdfs_fuse.backends import Entry, not_found
+from hdfs_fuse.backends.interface import Entry, not_found
 from hdfs_fuse.errors import PermanentError, TransientError
 from hdfs_fuse.uri import Location
 
@@ -106,7 +105,7 @@ class ArrowFile:
         self.location = location
         self.size = size
         self.version = version
-        self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._idle: queue.SimpleQueue[pyarrow.NativeFile] = queue.SimpleQueue()
         self._closed = False
 
     def read_at(self, offset: int, length: int) -> bytes | bytearray:
@@ -117,7 +116,7 @@ class ArrowFile:
         try:
             if handle is None:
                 handle = self.fs.open_input_file(self.location.arrow_path)
-            data = handle.read_at(length, offset)
+            data: bytes = handle.read_at(length, offset)
         except FileNotFoundError as exc:
             raise PermanentError(f"{self.location} disappeared: {exc}") from exc
         except OSError as exc:

@@ -1,10 +1,8 @@
-"""Thin backends: stat, list and positional reads of one remote store.
+"""The http(s):// backend: Range requests against one host.
 
-Every scheme maps to one of two backends. pyarrow.fs covers hdfs://, s3://,
-gs:// and file:// (`arrow_backend`, imported only when one of them is
-opened); http(s):// is plain Range requests over pools of keep-alive
-connections, here. Backends know nothing of stripes; they read what they are
-asked, or raise TransientError / PermanentError.
+Plain http without a proxy reads ranges straight into the stripe over
+`hdfs_fuse.rangeconn`'s keep-alive connections; TLS, proxies and redirects go
+through httpx. Directories are listed from nginx's JSON autoindex.
 """
 
 from __future__ import annotations
@@ -13,52 +11,14 @@ import email.utils
 import errno
 import http.client
 import urllib.request
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 import httpx
 
+from hdfs_fuse.backends.interface import Entry, not_found
 from hdfs_fuse.errors import PermanentError, TransientError
 from hdfs_fuse.rangeconn import RangeConnections
 from hdfs_fuse.settings import HdfsFuseConfig
 from hdfs_fuse.uri import Location
-
-
-@dataclass(frozen=True)
-class Entry:
-    name: str
-    is_dir: bool
-    size: int
-    mtime: float
-    # Changes whenever the content may have: ETag, or mtime in ns.
-    version: str = ""
-
-
-class RemoteFile(Protocol):
-    location: Location
-    size: int
-    version: str
-
-    def read_at(self, offset: int, length: int) -> bytes | bytearray: ...
-
-    def close(self) -> None: ...
-
-
-class Backend(Protocol):
-    def stat(self, location: Location) -> Entry: ...
-
-    def list(self, location: Location) -> list[Entry]: ...
-
-    def open(self, location: Location) -> RemoteFile: ...
-
-    def close(self) -> None: ...
-
-
-def not_found(location: Location) -> FileNotFoundError:
-    return FileNotFoundError(errno.ENOENT, "no such remote file or directory", str(location))
-
-
-# --- http(s) -------------------------------------------------------------------------
 
 _REDIRECTS = (301, 302, 303, 307, 308)
 
@@ -110,14 +70,14 @@ class HttpBackend:
             path += "/"
         return self.base + path
 
-    def _request(self, method: str, url: str, location: Location, **kw: Any) -> httpx.Response:
+    def _request(self, method: str, url: str) -> httpx.Response:
         try:
-            return self.client.request(method, url, **kw)
+            return self.client.request(method, url)
         except httpx.TransportError as exc:
             raise TransientError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
 
     def stat(self, location: Location) -> Entry:
-        response = self._request("HEAD", self.url(location), location)
+        response = self._request("HEAD", self.url(location))
         _raise_for(response.status_code, location)
         # Servers redirect a directory's URL to its form with a trailing slash.
         is_dir = response.url.path.endswith("/")
@@ -131,7 +91,7 @@ class HttpBackend:
 
     def list(self, location: Location) -> list[Entry]:
         url = self.url(location, directory=True)
-        response = self._request("GET", url, location)
+        response = self._request("GET", url)
         _raise_for(response.status_code, location)
         try:
             items = response.json()
@@ -249,16 +209,3 @@ class HttpFile:
 
     def close(self) -> None:
         pass
-
-
-# --- selection -----------------------------------------------------------------------
-
-
-def backend_for(location: Location, config: HdfsFuseConfig) -> Backend:
-    """The backend serving `location`'s store; nothing is contacted yet."""
-    if location.scheme in ("http", "https"):
-        return HttpBackend(location, config)
-    # pyarrow (and numpy) load only when a file needs them.
-    from hdfs_fuse import arrow_backend
-
-    return arrow_backend.backend(location)

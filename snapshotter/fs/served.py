@@ -1,0 +1,18 @@
+"""What the layer server's helpers (background fetch, hot-block prefetch and
+recording) see of a layer it serves."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from snapshotter.fs.reader import LayerReader
+
+
+class ServedLayer(Protocol):
+    reader: LayerReader
+
+    @property
+    def current(self) -> bool:
+        """Still the copy the layer store holds (not removed or replaced):
+        work for a stale copy is dropped."""
+        ...
