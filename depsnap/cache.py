@@ -38,7 +38,6 @@ class Evicted:
 
 class Cache:
     def __init__(self, root: Path, max_bytes: int) -> None:
-        self.root = root
         self.max_bytes = max_bytes
         self.images = root / "images"
         self.tmp = root / "tmp"

@@ -20,7 +20,6 @@ from depsnap.cache import Cache
 from depsnap.format import CorruptSnapshot
 from depsnap.store import StoreUnavailable, open_store
 
-DEFAULT_SOCKET = Path("/run/bootseer/depsnap.sock")
 _MAX_MESSAGE = 1 << 16
 
 

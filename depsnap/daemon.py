@@ -17,6 +17,7 @@ nothing else of the host.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -47,6 +48,10 @@ _KEY_CHARS = frozenset("0123456789abcdef")
 
 class BadRequest(Exception):
     pass
+
+
+class AlreadyServing(Exception):
+    """Another daemon answers on the socket this one was to serve on."""
 
 
 def _key(request: dict[str, Any]) -> str:
@@ -176,10 +181,8 @@ class _Handler(socketserver.BaseRequestHandler):
             log.warning("bad client message", reason=str(exc))
         except Exception:
             log.exception("request failed")
-            try:
+            with contextlib.suppress(OSError):
                 send_message(self.request, {"ok": False, "error": "internal", "message": "see daemon log"})
-            except OSError:
-                pass
         finally:
             for fd in fds + reply_fds:
                 os.close(fd)
@@ -197,7 +200,7 @@ def serve(settings: DepsnapConfig) -> None:
     address = settings.socket
     address.parent.mkdir(parents=True, exist_ok=True)
     if daemon_answers(address):
-        raise SystemExit(f"bootseer depsnap: a daemon already answers on {address}")
+        raise AlreadyServing(f"a daemon already answers on {address}")
     address.unlink(missing_ok=True)
     node = NodeCache(settings)
     node.cache.sweep_tmp()

@@ -7,7 +7,6 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,11 +103,9 @@ def capture_tree(
     inputs: list[Input],
     store_uri: str | None,
     paths: list[str] | None = None,
-    deleted: list[list[str]] | None = None,
 ) -> str:
     manifest = snapshot.new_manifest(key, kind, {i.name: i.value for i in inputs})
     manifest.paths = paths or []
-    manifest.deleted = deleted or []
     work = Path(tempfile.mkdtemp(prefix=f".{tree.name}.depsnap-capture-", dir=tree.parent))
     try:
         captured = snapshot.capture(tree, work, manifest, compress=bool(store_uri))
@@ -122,13 +119,10 @@ def ensure(
     node: Node,
     store_uri: str | None,
     restore_mode: str = "mount",
-    environ: Mapping[str, str] | None = None,
-    cwd: Path | None = None,
     lazy_min_bytes: int | None = None,
 ) -> Outcome:
     started = time.monotonic()
-    environ = os.environ if environ is None else environ
-    inputs = for_env(request, environ, cwd or Path.cwd())
+    inputs = for_env(request, os.environ, Path.cwd())
     key = compute(inputs)
     target = request.target.absolute()
 

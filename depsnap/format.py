@@ -5,8 +5,8 @@
 Each chunk is one independent zstd frame of `chunk_size` image bytes, with
 the sha256 of those bytes in the manifest. Independent frames decompress on
 every core at once, let a restore verify and write each chunk as it arrives
-instead of after the whole download, and leave the door open to reading an
-image lazily by range later. A file that is cut short, has a flipped bit or
+instead of after the whole download, and let an image be read lazily by
+range (`depsnap.lazy`). A file that is cut short, has a flipped bit or
 belongs to another key fails with `CorruptSnapshot`, never with half a result.
 """
 
@@ -17,10 +17,10 @@ import json
 import os
 import struct
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 import zstandard
 
@@ -31,9 +31,18 @@ _LENGTH = struct.Struct("<Q")
 DEFAULT_CHUNK_SIZE = 8 << 20
 _MAX_MANIFEST = 64 << 20
 
+_T = TypeVar("_T")
+
 
 class CorruptSnapshot(Exception):
     """The snapshot does not match its own manifest, or not the key asked for."""
+
+
+class Readable(Protocol):
+    """What a snapshot is read from: a file, a store's stream or a range
+    reader; all any of them needs is `read`."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -84,10 +93,10 @@ def _compress(data: bytes, level: int) -> tuple[bytes, Chunk]:
 
 
 def bounded_map(
-    pool: ThreadPoolExecutor, fn: Callable[..., object], items: Iterator[tuple], depth: int
-) -> Iterator[object]:
+    pool: ThreadPoolExecutor, fn: Callable[..., _T], items: Iterable[tuple[Any, ...]], depth: int
+) -> Iterator[_T]:
     """pool.map that keeps at most `depth` items in flight (bounded memory), in order."""
-    pending: deque[Future] = deque()
+    pending: deque[Future[_T]] = deque()
     for item in items:
         pending.append(pool.submit(fn, *item))
         if len(pending) >= depth:
@@ -102,7 +111,6 @@ def pack(
     manifest: Manifest,
     level: int = 3,
     workers: int | None = None,
-    progress: Callable[[int], None] | None = None,
 ) -> Manifest:
     """Compress `image` into `body` chunk by chunk; fills in `manifest`'s
     size and chunk list and returns it (write `header(manifest)` before the body)."""
@@ -115,16 +123,14 @@ def pack(
 
     manifest.chunks = []
     with ThreadPoolExecutor(workers) as pool:
-        for frame, chunk in bounded_map(pool, _compress, chunks(), 2 * workers):  # type: ignore[misc]
+        for frame, chunk in bounded_map(pool, _compress, chunks(), 2 * workers):
             body.write(frame)
             manifest.chunks.append(chunk)
-            if progress:
-                progress(chunk.size)
     manifest.image_size = sum(c.size for c in manifest.chunks)
     return manifest
 
 
-def read_exactly(stream: BinaryIO, n: int, what: str) -> bytes:
+def read_exactly(stream: Readable, n: int, what: str) -> bytes:
     parts = []
     left = n
     while left:
@@ -136,7 +142,7 @@ def read_exactly(stream: BinaryIO, n: int, what: str) -> bytes:
     return b"".join(parts)
 
 
-def read_manifest(stream: BinaryIO, key: str) -> Manifest:
+def read_manifest(stream: Readable, key: str) -> Manifest:
     """Read and check the header; the stream is left at the first chunk."""
     magic = read_exactly(stream, len(MAGIC), "header")
     if magic != MAGIC:
@@ -168,7 +174,7 @@ def _restore_chunk(frame: bytes, chunk: Chunk, index: int, fd: int, offset: int)
 
 
 def unpack(
-    stream: BinaryIO,
+    stream: Readable,
     fd: int,
     key: str,
     workers: int | None = None,
@@ -192,7 +198,7 @@ def unpack(
     with ThreadPoolExecutor(workers) as pool:
         for size in bounded_map(pool, _restore_chunk, frames(), 2 * workers):
             if progress:
-                progress(size)  # type: ignore[arg-type]
+                progress(size)
     if stream.read(1):
         raise CorruptSnapshot("snapshot has bytes after its last chunk")
     return manifest

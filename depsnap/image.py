@@ -28,7 +28,9 @@ def build(source: Path, image: Path) -> None:
     Uncompressed on purpose: the store already holds it zstd-compressed, and
     an uncompressed image reads at page-cache speed once mounted.
     """
-    result = subprocess.run(["mkfs.erofs", "--quiet", str(image), str(source)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["mkfs.erofs", "--quiet", str(image), str(source)], capture_output=True, text=True, check=False
+    )
     if result.returncode != 0:
         raise ImageError(f"mkfs.erofs {source} failed: {result.stderr.strip()}")
 
@@ -58,6 +60,7 @@ def mount_image(image: Path, target: Path) -> None:
         ["mount", "-t", "erofs", "-o", "ro,loop", str(image), str(target)],
         capture_output=True,
         text=True,
+        check=False,
     )
     if result.returncode != 0:
         raise ImageError(f"mount erofs {image} on {target}: {result.stderr.strip()}")
@@ -75,9 +78,9 @@ def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
 def unmount(target: Path) -> None:
     """Unmount `target`; lazily if it is busy, so a stray open file cannot
     keep an environment's mounts alive forever."""
-    if subprocess.run(["umount", str(target)], capture_output=True).returncode == 0:
+    if subprocess.run(["umount", str(target)], capture_output=True, check=False).returncode == 0:
         return
-    result = subprocess.run(["umount", "--lazy", str(target)], capture_output=True, text=True)
+    result = subprocess.run(["umount", "--lazy", str(target)], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise ImageError(f"umount {target}: {result.stderr.strip()}")
 

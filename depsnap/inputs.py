@@ -40,7 +40,7 @@ class InputError(Exception):
 def interpreter(python: Path) -> list[Input]:
     """Path, version, ABI, platform tags and libc of the interpreter `python`."""
     try:
-        result = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True)
+        result = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True, check=False)
     except OSError as exc:
         raise InputError(f"cannot run interpreter {python}: {exc.strerror}") from None
     if result.returncode != 0:

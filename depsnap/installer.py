@@ -34,7 +34,7 @@ def version(installer: str, python: Path) -> str:
     else:
         # A fresh venv gets the pip bundled with the interpreter's ensurepip.
         argv = [str(python), "-c", "import ensurepip; print('pip', ensurepip.version())"]
-    result = subprocess.run(argv, capture_output=True, text=True)
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise InstallerError(f"`{' '.join(argv)}` failed: {result.stderr.strip()}")
     return result.stdout.strip()
@@ -86,7 +86,7 @@ def plan(installer: str, python: Path, target: Path, requirements: list[Path]) -
 def run(steps: Plan) -> int:
     """Run the plan's commands, stopping at the first failure; its status is returned."""
     for argv in steps.commands:
-        rc = subprocess.run(argv, env=steps.env).returncode
+        rc = subprocess.run(argv, env=steps.env, check=False).returncode
         if rc != 0:
             return rc
     return 0

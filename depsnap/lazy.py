@@ -23,22 +23,30 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import sys
 import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import pyfuse3
 import structlog
 import trio
 
 import hdfs_fuse
-from bootseer.log import configure
 from depsnap.cache import Cache
-from depsnap.format import Chunk, CorruptSnapshot, Manifest, bounded_map, chunk_data, read_exactly, read_manifest
+from depsnap.format import (
+    Chunk,
+    CorruptSnapshot,
+    Manifest,
+    Readable,
+    bounded_map,
+    chunk_data,
+    read_exactly,
+    read_manifest,
+)
 from depsnap.store import StoreUnavailable, open_store
 
 log = structlog.get_logger("depsnap.lazy")
@@ -138,7 +146,7 @@ class LazyImage:
             self.load(index)
         return os.pread(self.fd, size, offset)
 
-    def fill(self, stream: BinaryIO) -> bool:
+    def fill(self, stream: Readable) -> bool:
         """Load every chunk from `stream`, the snapshot read front to back
         (one sequential read is cheaper than ranges), verifying a few at once.
         False if any chunk failed."""
@@ -181,30 +189,32 @@ class ImageFS(pyfuse3.Operations):
         attrs.entry_timeout = attrs.attr_timeout = 1 << 30
         return attrs
 
-    async def getattr(self, inode, ctx=None):  # type: ignore[no-untyped-def]
+    async def getattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if inode not in (pyfuse3.ROOT_INODE, _IMAGE_INODE):
             raise pyfuse3.FUSEError(errno.ENOENT)
         return self._attributes(inode)
 
-    async def lookup(self, parent_inode, name, ctx=None):  # type: ignore[no-untyped-def]
+    async def lookup(
+        self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         if parent_inode != pyfuse3.ROOT_INODE or name != IMAGE_NAME.encode():
             raise pyfuse3.FUSEError(errno.ENOENT)
         return self._attributes(_IMAGE_INODE)
 
-    async def statfs(self, ctx):  # type: ignore[no-untyped-def]
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         data = pyfuse3.StatvfsData()
         data.f_bsize = data.f_frsize = 4096
         data.f_namemax = 255
         return data
 
-    async def open(self, inode, flags, ctx):  # type: ignore[no-untyped-def]
+    async def open(self, inode: pyfuse3.InodeT, flags: pyfuse3.FlagT, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if inode != _IMAGE_INODE:
             raise pyfuse3.FUSEError(errno.EISDIR)
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise pyfuse3.FUSEError(errno.EROFS)
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
-    async def read(self, fh, off, size):  # type: ignore[no-untyped-def]
+    async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
         if self.image.has(covering(self.image.manifest, off, size)):
             return os.pread(self.image.fd, size, off)
         try:
@@ -217,7 +227,7 @@ class ImageFS(pyfuse3.Operations):
 def _open_snapshot(uri: str, key: str) -> tuple[hdfs_fuse.StripedFile, Manifest, int]:
     remote = hdfs_fuse.open(uri, _READER)
     try:
-        manifest = read_manifest(remote, key)  # type: ignore[arg-type]
+        manifest = read_manifest(remote, key)
         return remote, manifest, remote.tell()
     except BaseException:
         remote.close()
@@ -241,7 +251,7 @@ def serve(store_uri: str, key: str, cache: Cache, mountpoint: Path, report: Call
     try:
         os.ftruncate(fd, manifest.image_size)
         image = LazyImage(manifest, data_offset, remote, fd)
-        pyfuse3.init(ImageFS(image), str(mountpoint), ["ro", "fsname=depsnap", "subtype=depsnap"])
+        pyfuse3.init(ImageFS(image), str(mountpoint), {"ro", "fsname=depsnap", "subtype=depsnap"})
         report("ok")
 
         def fill() -> None:
@@ -307,9 +317,7 @@ def start(store_uri: str, key: str, cache: Cache, mountpoint: Path, log_path: Pa
             os.close(answers)
             os.setsid()
             os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-            os.dup2(log_fd, 1)
-            os.dup2(log_fd, 2)
-            configure("info", "json")
+            _log_to(log_fd)
             code = serve(store_uri, key, cache, mountpoint, _reporter(answer))
         except BaseException:
             traceback.print_exc()
@@ -324,6 +332,30 @@ def start(store_uri: str, key: str, cache: Cache, mountpoint: Path, log_path: Pa
     if status == "corrupt":
         raise CorruptSnapshot(reason)
     raise StoreUnavailable(reason or "the lazy server exited before mounting")
+
+
+def _log_to(fd: int) -> None:
+    """Make `fd`, the server's log file, this process's stdout and stderr,
+    and log there in JSON lines.
+
+    The fork inherits the command's structlog set-up (bootseer's, which
+    depsnap does not import), but its last processor may draw lines for a
+    person (the command ran on a terminal); the log file is for machines, so
+    the server keeps every processor but that renderer and renders JSON.
+    """
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # The inherited sys.stderr need not write to fd 2 (pytest swaps in a file
+    # of its own), and tracebacks and log lines must reach the log file. Never
+    # closed: it is this process's stderr until it exits.
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    processors = structlog.get_config()["processors"][:-1]
+    structlog.configure(
+        processors=[*processors, structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
 
 
 def _reporter(fd: int) -> Callable[[str], None]:

@@ -13,4 +13,8 @@ def byte_progress(description: str = "restoring") -> Callable[[int], None] | Non
     if not sys.stderr.isatty():
         return None
     bar = tqdm(desc=description, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
-    return bar.update
+
+    def advance(n: int) -> None:
+        bar.update(n)
+
+    return advance

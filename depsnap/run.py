@@ -17,7 +17,6 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,15 +139,9 @@ def apply(source: Path, dest: Path, deleted: list[str]) -> None:
             victim.unlink()
 
 
-def memoise(
-    request: RunRequest,
-    node: Node,
-    store_uri: str | None,
-    environ: Mapping[str, str] | None = None,
-    cwd: Path | None = None,
-) -> Outcome:
+def memoise(request: RunRequest, node: Node, store_uri: str | None) -> Outcome:
     started = time.monotonic()
-    inputs = for_run(request, os.environ if environ is None else environ, cwd or Path.cwd())
+    inputs = for_run(request, os.environ, Path.cwd())
     key = compute(inputs)
     paths = [p.absolute() for p in request.paths]
 
@@ -167,7 +160,7 @@ def memoise(
         return done("hit", f"restored {len(paths)} path(s) from {found.source} via {node.where}")
 
     before = [scan(p) for p in paths]
-    rc = subprocess.run(request.command, cwd=cwd).returncode
+    rc = subprocess.run(request.command, check=False).returncode
     if rc != 0:
         return done("failed", f"command exited with status {rc}; nothing published", rc)
     staging = Path(tempfile.mkdtemp(prefix=f".{paths[0].name}.depsnap-run-", dir=paths[0].parent))

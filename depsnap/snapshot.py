@@ -27,7 +27,6 @@ from depsnap.cache import Cache
 from depsnap.format import DEFAULT_CHUNK_SIZE, Manifest, header, pack
 from depsnap.store import SnapshotStore
 
-RESTORE_MODES = ("mount", "copy")
 _SERVER_EXIT_S = 10.0
 
 
@@ -176,7 +175,9 @@ def mounted_image(image: Path, near: Path) -> Iterator[Path]:
 def copy_tree(source: Path, dest: Path) -> None:
     """Copy `source`'s contents into `dest` keeping modes, owners, mtimes,
     links and xattrs (GNU cp is far quicker here than any Python loop)."""
-    result = subprocess.run(["cp", "-a", "--preserve=all", f"{source}/.", str(dest)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["cp", "-a", "--preserve=all", f"{source}/.", str(dest)], capture_output=True, text=True, check=False
+    )
     if result.returncode != 0:
         raise RestoreError(f"copying {source} to {dest} failed: {result.stderr.strip()}")
 

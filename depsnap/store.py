@@ -10,12 +10,14 @@ snapshots are valid for the key, so either outcome is correct.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from types import TracebackType
+from typing import BinaryIO, Protocol, Self
 
 import httpx
 import pyarrow.fs as pafs
@@ -27,10 +29,23 @@ class StoreUnavailable(Exception):
     """The store could not be reached or read (as opposed to: the key is not there)."""
 
 
+class Stream(Protocol):
+    """A snapshot being read from a store, front to back; leaving its `with`
+    block closes it."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None, /
+    ) -> None: ...
+
+
 class SnapshotStore(Protocol):
     uri: str
 
-    def get(self, key: str) -> BinaryIO | None: ...
+    def get(self, key: str) -> Stream | None: ...
 
     def object_uri(self, key: str) -> str: ...
 
@@ -74,12 +89,14 @@ class Store:
             return self.path(key)
         return f"{self.uri.rstrip('/')}/{key}{_SUFFIX}"
 
-    def get(self, key: str) -> BinaryIO | None:
+    def get(self, key: str) -> Stream | None:
         """A stream of the snapshot for `key`, or None if the store lacks it."""
         try:
             if self.fs.get_file_info(self.path(key)).type == pafs.FileType.NotFound:
                 return None
-            return self.fs.open_input_stream(self.path(key))  # type: ignore[no-any-return]
+            # pyarrow has no type hints; its input streams are binary files.
+            stream: Stream = self.fs.open_input_stream(self.path(key))
+            return stream
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -103,10 +120,8 @@ class Store:
                     raise
                 self.fs.delete_file(temp)
         except OSError as exc:
-            try:
+            with contextlib.suppress(OSError):
                 self.fs.delete_file(temp)
-            except OSError:
-                pass
             raise StoreUnavailable(f"cannot publish to {self.uri}: {exc}") from None
 
     def delete(self, key: str) -> None:
@@ -167,7 +182,7 @@ class HttpStore:
     def object_uri(self, key: str) -> str:
         return self._url(key)
 
-    def get(self, key: str) -> BinaryIO | None:
+    def get(self, key: str) -> Stream | None:
         client = httpx.Client(timeout=httpx.Timeout(60.0, connect=5.0))
         try:
             response = client.send(client.build_request("GET", self._url(key)), stream=True)
@@ -182,7 +197,7 @@ class HttpStore:
             response.close()
             client.close()
             raise StoreUnavailable(f"{self._url(key)} answered {response.status_code}")
-        return _HttpStream(client, response)  # type: ignore[return-value]
+        return _HttpStream(client, response)
 
     def publish(self, key: str, header: bytes, body: BinaryIO) -> None:
         def content() -> Iterator[bytes]:

@@ -6,34 +6,31 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from bootseer.options import add_common_arguments, load_config
+from bootseer.options import EXIT_USAGE, CommandError, add_common_arguments, load_config, override
 from depsnap.settings import DepsnapConfig
 
+if TYPE_CHECKING:
+    from depsnap.client import Node
+    from depsnap.inputs import EnvRequest
+
 STORE_ENV = "BOOTSEER_DEPSNAP_STORE"
+# The [depsnap] fields that `ensure`, `run` and `serve` all take as flags of the same name.
+_NODE_FLAGS = ("store", "cache_dir", "cache_max_bytes", "socket")
 
 
-def _settings(args: argparse.Namespace) -> DepsnapConfig:
-    """The [depsnap] config section with this command's flags applied."""
-    cfg = load_config(args)
-    settings: DepsnapConfig = cfg.depsnap
-    for name in (
-        "store",
-        "cache_dir",
-        "cache_max_bytes",
-        "socket",
-        "metrics_address",
-        "lazy_min_bytes",
-    ):
-        value = getattr(args, name, None)
-        if value is not None:
-            setattr(settings, name, value)
-    if getattr(args, "store", None) is None and os.environ.get(STORE_ENV):
+def _settings(args: argparse.Namespace, *flags: str) -> DepsnapConfig:
+    """The [depsnap] config section with $BOOTSEER_DEPSNAP_STORE and then the
+    command's `flags` (each named as its field) applied."""
+    settings = load_config(args).depsnap
+    if os.environ.get(STORE_ENV):
         settings.store = os.environ[STORE_ENV]
+    override(settings, args, **{flag: flag for flag in flags})
     return settings
 
 
-def _node(settings: DepsnapConfig, no_daemon: bool):  # type: ignore[no-untyped-def]
+def _node(settings: DepsnapConfig, no_daemon: bool) -> Node:
     from depsnap import client
     from depsnap.cache import Cache
     from depsnap.progress import byte_progress
@@ -43,7 +40,7 @@ def _node(settings: DepsnapConfig, no_daemon: bool):  # type: ignore[no-untyped-
     return client.connect(settings.socket, settings.cache_dir, settings.cache_max_bytes, byte_progress())
 
 
-def _env_request(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _env_request(args: argparse.Namespace) -> EnvRequest:
     from depsnap.inputs import EnvRequest
 
     return EnvRequest(
@@ -53,11 +50,6 @@ def _env_request(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         installer=args.installer,
         base_image=args.base_image,
     )
-
-
-def _fail(message: str) -> int:
-    print(f"bootseer depsnap: {message}", file=sys.stderr)
-    return 2
 
 
 def _input_errors() -> tuple[type[Exception], ...]:
@@ -81,7 +73,7 @@ def _input_errors() -> tuple[type[Exception], ...]:
 def _ensure(args: argparse.Namespace) -> int:
     from depsnap.ensure import ensure
 
-    settings = _settings(args)
+    settings = _settings(args, *_NODE_FLAGS, "lazy_min_bytes")
     try:
         outcome = ensure(
             _env_request(args),
@@ -91,7 +83,7 @@ def _ensure(args: argparse.Namespace) -> int:
             lazy_min_bytes=settings.lazy_min_bytes if settings.lazy_min_bytes >= 0 else None,
         )
     except _input_errors() as exc:
-        return _fail(str(exc))
+        raise CommandError(str(exc), EXIT_USAGE) from None
     print(outcome.line())
     return outcome.returncode
 
@@ -100,19 +92,19 @@ def _run(args: argparse.Namespace) -> int:
     from depsnap.inputs import RunRequest
     from depsnap.run import memoise
 
-    settings = _settings(args)
+    settings = _settings(args, *_NODE_FLAGS)
     command = args.command_argv
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        return _fail("run needs a command after --")
+        raise CommandError("run needs a command after --", EXIT_USAGE)
     if not args.path:
-        return _fail("run needs at least one --path to capture")
+        raise CommandError("run needs at least one --path to capture", EXIT_USAGE)
     request = RunRequest(command, args.input or [], args.path, args.base_image)
     try:
         outcome = memoise(request, _node(settings, args.no_daemon), settings.store or None)
     except _input_errors() as exc:
-        return _fail(str(exc))
+        raise CommandError(str(exc), EXIT_USAGE) from None
     print(outcome.line(), file=sys.stderr)
     return outcome.returncode
 
@@ -129,10 +121,10 @@ def _key(args: argparse.Namespace) -> int:
             gathered = inputs_mod.for_run(request, os.environ, Path.cwd())
         else:
             if not args.requirement or args.target is None:
-                return _fail("key needs -r and --target (an environment), or -- COMMAND (a run)")
+                raise CommandError("key needs -r and --target (an environment), or -- COMMAND (a run)", EXIT_USAGE)
             gathered = inputs_mod.for_env(_env_request(args), os.environ, Path.cwd())
     except _input_errors() as exc:
-        return _fail(str(exc))
+        raise CommandError(str(exc), EXIT_USAGE) from None
     print(describe(compute(gathered), gathered))
     return 0
 
@@ -146,9 +138,12 @@ def _release(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from depsnap.daemon import serve
+    from depsnap.daemon import AlreadyServing, serve
 
-    serve(_settings(args))
+    try:
+        serve(_settings(args, *_NODE_FLAGS, "metrics_address"))
+    except AlreadyServing as exc:
+        raise CommandError(str(exc)) from None
     return 0
 
 
@@ -183,7 +178,7 @@ def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-daemon", action="store_true", help="use the node cache directly")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "depsnap",
         help="snapshot installed dependencies once, restore them by key",

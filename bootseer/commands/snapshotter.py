@@ -21,11 +21,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_layer_server(args: argparse.Namespace) -> int:
-    from snapshotter.fs.server import serve
+    from snapshotter.fs.server import MountpointBusy, serve
 
     cfg = load_config(args)
     override(cfg.fs, args, store="store", mountpoint="mountpoint", metrics_address="metrics_address")
-    serve(cfg.fs, cfg.registry)
+    try:
+        serve(cfg.fs, cfg.registry)
+    except MountpointBusy as exc:
+        raise CommandError(str(exc)) from None
     return 0
 
 

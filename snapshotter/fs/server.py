@@ -36,6 +36,10 @@ KERNEL_READAHEAD = 8 << 20
 MOUNT_OPTIONS = ("fsname=bootseer", "subtype=bootseer", "ro", "allow_other", "default_permissions")
 
 
+class MountpointBusy(Exception):
+    """Another filesystem (most likely another layer server) holds the mountpoint."""
+
+
 def _clear_stale_mount(mountpoint: Path) -> None:
     """A killed server leaves its mount behind, answering ENOTCONN; detach it."""
     try:
@@ -49,7 +53,7 @@ def _clear_stale_mount(mountpoint: Path) -> None:
         log.warning("detached a stale mount", mountpoint=str(mountpoint))
         return
     if os.path.ismount(mountpoint):
-        raise SystemExit(f"{mountpoint} is already mounted: is another layer server running?")
+        raise MountpointBusy(f"{mountpoint} is already mounted: is another layer server running?")
 
 
 # The event loop answers the kernel while worker threads load layer indexes

@@ -7,11 +7,10 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import BinaryIO
 
 from depsnap.cache import Cache
 from depsnap.format import Manifest, header, pack
-from depsnap.store import Store
+from depsnap.store import Store, Stream
 
 
 def publish(store: Store, key: str, data: bytes) -> None:
@@ -27,7 +26,7 @@ class CountingStore(Store):
 
     gets = 0
 
-    def get(self, key: str) -> BinaryIO | None:
+    def get(self, key: str) -> Stream | None:
         type(self).gets += 1
         time.sleep(0.05)  # widen the window in which a second download could start
         return super().get(key)

@@ -62,6 +62,7 @@ def in_container(work: Work, parent: Path, script: str) -> subprocess.CompletedP
         text=True,
         env=work.env,
         cwd=work.root,
+        check=False,
     )
 
 

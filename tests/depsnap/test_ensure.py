@@ -53,6 +53,7 @@ def use_environment(env: Path) -> None:
         [sys.executable, "-m", "pip", "--python", str(python), "check"],
         capture_output=True,
         text=True,
+        check=False,
     )
     assert check.returncode == 0, check.stdout + check.stderr
 

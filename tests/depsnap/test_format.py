@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,7 @@ def test_empty_image_round_trips(tmp_path: Path) -> None:
         (lambda b: b[:20] + b"{" + b[21:], "manifest"),
     ],
 )
-def test_damage_is_detected(tmp_path: Path, damage, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_damage_is_detected(tmp_path: Path, damage: Callable[[bytes], bytes], message: str) -> None:
     with pytest.raises(CorruptSnapshot, match=message):
         restore(damage(packed(os.urandom(3000))), tmp_path)
 

@@ -43,7 +43,7 @@ def test_requirements_follow_includes_and_local_projects(reqs: Path) -> None:
 
 def test_missing_and_circular_includes_are_errors(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("-r b.txt\n")
-    with pytest.raises(RequirementsError, match="not found.*b.txt.*included from.*a.txt"):
+    with pytest.raises(RequirementsError, match=r"not found.*b\.txt.*included from.*a\.txt"):
         collect([tmp_path / "a.txt"])
     (tmp_path / "b.txt").write_text("--requirement=a.txt\n")
     with pytest.raises(RequirementsError, match="include each other"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -115,6 +116,15 @@ def gone(pid: int) -> bool:
     return False
 
 
+def server_log(target: Path) -> list[dict[str, object]]:
+    """The lazy server's log file, one JSON record a line."""
+    return [json.loads(line) for line in (snapshot.side_dir(target) / "server.log").read_text().splitlines()]
+
+
+def logged(target: Path, event: str, level: str) -> bool:
+    return any(r["event"] == event and r["level"] == level and "timestamp" in r for r in server_log(target))
+
+
 def release_and_check(target: Path) -> None:
     pid = server_pid(target)
     snapshot.release(target)
@@ -140,6 +150,7 @@ def test_lazy_restore_serves_verified_bytes_and_fills_the_node_cache(work: Work)
     wait_until(lambda: cache.lookup(KEY) is not None, 30, "the node cache to fill")
     image = cache.lookup(KEY)
     assert image is not None and image.read_bytes() == published.image
+    wait_until(lambda: logged(target, "image complete, now in the node cache", "info"), 30, "the log line")
     release_and_check(target)
     assert list(cache.tmp.iterdir()) == []
 
@@ -163,6 +174,7 @@ def test_corrupt_chunk_is_never_served(work: Work) -> None:
         )
     assert (target / "1-first").read_bytes() == published.files["1-first"]
     assert read_error(target / "3-last") == errno.EIO
+    assert logged(target, "chunk unavailable, answering EIO", "error")
     # The background fill finds it too: the snapshot leaves the store, so the
     # next node installs and republishes, and the image never enters the cache.
     wait_until(lambda: not (published.store / f"{KEY}.dsnap").exists(), 30, "the delete")

@@ -14,14 +14,20 @@ from tests.harness.procs import free_tcp_port
 KEY = "ef" * 32
 
 
+def read_snapshot(store: Store) -> bytes:
+    stream = store.get(KEY)
+    assert stream is not None, "the snapshot is missing"
+    with stream:
+        return stream.read()
+
+
 @pytest.mark.parametrize("form", ["dir", "file-uri"])
 def test_publish_then_get(tmp_path: Path, form: str) -> None:
     root = tmp_path / "store"
     store = Store.open(str(root) if form == "dir" else f"file://{root}")
     assert store.get(KEY) is None
     store.publish(KEY, b"head", io.BytesIO(b"body" * 1000))
-    with store.get(KEY) as stream:  # type: ignore[union-attr]
-        assert stream.read() == b"head" + b"body" * 1000
+    assert read_snapshot(store) == b"head" + b"body" * 1000
     assert [p.name for p in root.iterdir()] == [f"{KEY}.dsnap"]
     store.delete(KEY)
     assert store.get(KEY) is None
@@ -41,8 +47,7 @@ def test_concurrent_publishers_of_one_key_leave_one_whole_snapshot(tmp_path: Pat
         t.start()
     for t in threads:
         t.join()
-    with store.get(KEY) as stream:  # type: ignore[union-attr]
-        data = stream.read()
+    data = read_snapshot(store)
     assert data[:1] == b"h" and data[1:] in bodies
     assert [p.name for p in (tmp_path / "store").iterdir()] == [f"{KEY}.dsnap"]
 
