@@ -34,7 +34,9 @@ from snapshotter.labels import (
     distribution_source,
     remote_snapshot_labels,
 )
-from snapshotter.registry import Descriptor, RegistryClient, ResolvedImage, parse_reference
+from snapshotter.registry.client import RegistryClient, ResolvedImage
+from snapshotter.registry.media import Descriptor
+from snapshotter.registry.reference import parse as parse_reference
 
 log = structlog.get_logger("bootseer.pull")
 

@@ -11,8 +11,8 @@ import grpc
 from bootseer.options import CommandError, add_common_arguments, load_config
 from snapshotter.containerd_client import DEFAULT_ADDRESS, ContainerdClient
 from snapshotter.pull import DEFAULT_SNAPSHOTTER, Puller, PullError
-from snapshotter.registry import RegistryError
 from snapshotter.registry.config import client_from_config
+from snapshotter.registry.errors import RegistryError
 from snapshotter.registry.reference import InvalidReference
 
 

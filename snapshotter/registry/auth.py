@@ -3,8 +3,8 @@
 Credentials come from docker's config.json (`auths.<host>.auth`, or
 `username`/`password`, or a credential helper). Challenges
 (`WWW-Authenticate: Bearer realm=...,service=...,scope=...` or `Basic`) are
-parsed here; the token exchange itself is done by the client, which owns
-the HTTP connection. Nothing in this module logs or formats a secret.
+parsed here; the token exchange itself is done by `authenticator`, which
+has the connection pools. Nothing in this module logs or formats a secret.
 """
 
 from __future__ import annotations
@@ -120,9 +120,9 @@ def _entry_credentials(entry: dict[str, object], key: str, source: str) -> Crede
         if not sep:
             raise CredentialsError(f"{source}: auths[{key!r}].auth decodes without a ':' separator")
         return Credentials(username, password)
-    username, password = entry.get("username"), entry.get("password")
-    if isinstance(username, str) and isinstance(password, str) and username:
-        return Credentials(username, password)
+    user, secret = entry.get("username"), entry.get("password")
+    if isinstance(user, str) and isinstance(secret, str) and user:
+        return Credentials(user, secret)
     token = entry.get("identitytoken")
     if isinstance(token, str) and token:
         # docker's convention: an identity token is sent as the password of "<token>".
@@ -136,6 +136,7 @@ def _helper_credentials(helper: str, host: str) -> Credentials | None:
         result = subprocess.run(
             [f"docker-credential-{helper}", "get"],
             input=host,
+            check=False,
             capture_output=True,
             text=True,
             timeout=30,

@@ -3,6 +3,10 @@ registry host and repository and says what to try next."""
 
 from __future__ import annotations
 
+from typing import Self
+
+from snapshotter.registry.reference import Reference
+
 
 class RegistryError(Exception):
     def __init__(self, message: str, *, host: str = "", repository: str = "") -> None:
@@ -10,6 +14,11 @@ class RegistryError(Exception):
         self.repository = repository
         where = f"{host}/{repository}" if repository else host
         super().__init__(f"{where}: {message}" if where else message)
+
+    @classmethod
+    def at(cls, ref: Reference, message: str) -> Self:
+        """The error about the repository `ref` names."""
+        return cls(message, host=ref.domain, repository=ref.repository)
 
 
 class NotFound(RegistryError):

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from snapshotter.registry.reference import DOCKER_HUB, DOCKER_HUB_API
+
 DEFAULT_CERTS_DIR = Path("/etc/containerd/certs.d")
 ALL_CAPABILITIES = frozenset({"pull", "resolve", "push"})
 
@@ -45,8 +47,8 @@ class Endpoint:
 
 
 def default_server(host: str, plain_http: bool) -> str:
-    if host == "docker.io":
-        host = "registry-1.docker.io"
+    if host == DOCKER_HUB:
+        host = DOCKER_HUB_API
     return f"{'http' if plain_http else 'https'}://{host}"
 
 

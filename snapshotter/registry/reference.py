@@ -40,10 +40,6 @@ class Reference:
         """What goes after /manifests/: the digest if pinned, else the tag."""
         return self.digest or self.tag or DEFAULT_TAG
 
-    @property
-    def api_host(self) -> str:
-        return DOCKER_HUB_API if self.domain == DOCKER_HUB else self.domain
-
     def with_digest(self, digest: str) -> Reference:
         return replace(self, digest=check_digest(digest))
 

@@ -12,8 +12,10 @@ import pytest
 
 from recorder import manifest as hot
 from recorder.manifest import HotBlock, HotManifest
-from snapshotter.registry import RegistryClient, artifact, parse_reference
+from snapshotter.registry import artifact
+from snapshotter.registry.client import RegistryClient
 from snapshotter.registry.media import Descriptor
+from snapshotter.registry.reference import parse as parse_reference
 from tests.harness.lazynode import LazyNode, start_lazy_node, stop_lazy_node
 from tests.harness.oci import Dir, File, ImageBuilder, PushedImage, busybox_layer
 from tests.harness.registry import Registry

@@ -16,7 +16,7 @@ import pytest
 
 from snapshotter.containerd_client import ContainerdClient, code_of
 from snapshotter.pull import Puller, PullResult, chain_ids
-from snapshotter.registry import RegistryClient
+from snapshotter.registry.client import RegistryClient
 from tests.harness import tree
 from tests.harness.containerd import Containerd
 from tests.harness.oci import (

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import pytest
 
 from tests.harness import faultproxy
-from tests.harness.oci import Dir, File, ImageBuilder, PushedImage, busybox_layer
+from tests.harness.oci import Dir, File, ImageBuilder, Layer, PushedImage, busybox_layer
 from tests.harness.registry import Registry
 
 
-def sample_layers() -> list[list]:
+def sample_layers() -> list[Layer]:
     big = random.Random(3).randbytes(1 << 20)  # 1 MiB that does not compress
     return [
         busybox_layer(),

@@ -11,17 +11,10 @@ from urllib.parse import unquote
 
 import pytest
 
-from snapshotter.registry import (
-    DigestMismatch,
-    NotFound,
-    RegistryClient,
-    ServerError,
-    Unauthorized,
-    Unreachable,
-    media,
-    parse_reference,
-    referrers_tag,
-)
+from snapshotter.registry import media
+from snapshotter.registry.client import RegistryClient, referrers_tag
+from snapshotter.registry.errors import DigestMismatch, NotFound, ServerError, Unauthorized, Unreachable
+from snapshotter.registry.reference import parse as parse_reference
 from tests.harness import faultproxy
 from tests.harness.faultproxy import FaultProxy
 from tests.harness.oci import PushedImage, write_layout
@@ -36,9 +29,9 @@ def _blob(pushed: PushedImage, digest: str) -> bytes:
     return (pushed.layout.directory / "blobs" / "sha256" / digest.removeprefix("sha256:")).read_bytes()
 
 
-def _client(**kwargs: object) -> RegistryClient:
+def _client(*, retries: int = 4, docker_config: Path | None = None) -> RegistryClient:
     # A short backoff keeps retry tests quick; the schedule is the same.
-    return RegistryClient(plain_http=True, backoff=0.01, **kwargs)  # type: ignore[arg-type]
+    return RegistryClient(plain_http=True, backoff=0.01, retries=retries, docker_config=docker_config)
 
 
 def _at(proxy: FaultProxy, pushed: PushedImage) -> str:
@@ -61,7 +54,7 @@ def test_resolve_fetch_and_range(pushed: PushedImage) -> None:
         assert client.fetch_range(image.ref, big.digest, len(blob) - 7, len(blob)) == blob[-7:]
         assert client.blob_exists(image.ref, big.digest)
         assert not client.blob_exists(image.ref, "sha256:" + "0" * 64)
-        data, media_type, digest = client.fetch_manifest(image.ref.with_digest(image.manifest_digest))
+        data, _, digest = client.fetch_manifest(image.ref.with_digest(image.manifest_digest))
         assert digest == image.manifest_digest and data == image.manifest_bytes
 
 
@@ -122,18 +115,14 @@ def test_flipped_bit_is_never_returned(proxy: FaultProxy, pushed: PushedImage) -
         assert out.getvalue() == _blob(pushed, layer.digest)
         proxy.plan("flip", "/blobs/", times=10)
 
-        class Pipe(io.RawIOBase):
-            def writable(self) -> bool:
-                return True
+        class Pipe(io.BytesIO):
+            """A destination that cannot be rewound."""
 
             def seekable(self) -> bool:
                 return False
 
-            def write(self, b: bytes) -> int:  # type: ignore[override]
-                return len(b)
-
         with pytest.raises(DigestMismatch, match=layer.digest):
-            client.fetch_blob(ref, layer.digest, Pipe())  # type: ignore[arg-type]
+            client.fetch_blob(ref, layer.digest, Pipe())
         proxy.plan("flip", "/manifests/", times=1)
         with pytest.raises(DigestMismatch):
             client.fetch_manifest(ref.with_digest(image.manifest_digest))
@@ -182,7 +171,7 @@ def _push_layout(client: RegistryClient, pushed: PushedImage, ref_text: str) -> 
     """Push `pushed`'s blobs and manifest with our own client; returns the manifest digest."""
     blobs = pushed.layout.directory / "blobs" / "sha256"
     index = json.loads((pushed.layout.directory / "index.json").read_text())
-    manifest_digest = index["manifests"][0]["digest"]
+    manifest_digest = str(index["manifests"][0]["digest"])
     manifest = (blobs / manifest_digest.removeprefix("sha256:")).read_bytes()
     ref = parse_reference(ref_text)
     for entry in [json.loads(manifest)["config"], *json.loads(manifest)["layers"]]:
@@ -200,12 +189,12 @@ def test_basic_auth_from_docker_config(auth_registry: AuthRegistry, pushed: Push
         out = io.BytesIO()
         client.fetch_blob(image.ref, image.manifest.layers[1].digest, out)
         assert hashlib.sha256(out.getvalue()).hexdigest() == image.manifest.layers[1].digest[7:]
-    with _client(docker_config=auth_registry.docker_config(password="wrong")) as client:
-        with pytest.raises(Unauthorized, match="refused the credentials"):
-            client.resolve(parse_reference(ref_text))
-    with _client(docker_config=auth_registry.workdir / "absent.json") as client:
-        with pytest.raises(Unauthorized, match="has none for"):
-            client.resolve(parse_reference(ref_text))
+    wrong = auth_registry.docker_config(password="wrong")
+    with _client(docker_config=wrong) as client, pytest.raises(Unauthorized, match="refused the credentials"):
+        client.resolve(parse_reference(ref_text))
+    absent = auth_registry.workdir / "absent.json"
+    with _client(docker_config=absent) as client, pytest.raises(Unauthorized, match="has none for"):
+        client.resolve(parse_reference(ref_text))
 
 
 def test_redirect_drops_credentials(auth_registry: AuthRegistry, registry: Registry, pushed: PushedImage) -> None:

@@ -1,12 +1,15 @@
 """Unit tests of the registry client's pure parts: references, hosts.toml,
-credentials and challenges, manifests and platforms."""
+credentials and challenges, manifests and platforms, errors, the retry
+schedule, endpoint fallback, requests and resumable-body ranges."""
 
 from __future__ import annotations
 
 import base64
 import json
 from pathlib import Path
+from typing import NoReturn
 
+import httpx
 import pytest
 
 from snapshotter.registry import media
@@ -17,9 +20,14 @@ from snapshotter.registry.auth import (
     parse_challenges,
     parse_token_response,
 )
-from snapshotter.registry.client import _next_link, referrers_tag
-from snapshotter.registry.hosts import HostsConfigError, endpoints_for, parse_hosts_toml
-from snapshotter.registry.reference import InvalidReference, parse
+from snapshotter.registry.client import referrers_tag
+from snapshotter.registry.errors import NotFound, RegistryError, ServerError, Unauthorized, Unreachable
+from snapshotter.registry.hosts import Endpoint, HostsConfigError, endpoints_for, parse_hosts_toml
+from snapshotter.registry.reference import InvalidReference, Reference, parse
+from snapshotter.registry.responses import content_range_start, next_link
+from snapshotter.registry.resumable import BlobBody
+from snapshotter.registry.retry import BACKOFF_CAP, Backoff
+from snapshotter.registry.transport import Request, Transport
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -53,7 +61,6 @@ def test_invalid_references(text: str) -> None:
 
 def test_reference_helpers() -> None:
     ref = parse("ubuntu")
-    assert ref.api_host == "registry-1.docker.io"
     assert str(ref) == "docker.io/library/ubuntu:latest"
     assert ref.with_digest(DIGEST).object == DIGEST
     assert ref.with_tag("sha256-x").object == "sha256-x"
@@ -114,7 +121,7 @@ def test_hosts_file_lookup(tmp_path: Path) -> None:
 
 def test_credentials_from_config_json() -> None:
     encoded = base64.b64encode(b"alice:pa:ss").decode()
-    doc = {
+    doc: dict[str, object] = {
         "auths": {
             "https://reg.example.com": {"auth": encoded},
             "other:5000": {"username": "bob", "password": "pw"},
@@ -216,8 +223,10 @@ def test_platform_selection() -> None:
         media.OCI_INDEX,
     )
     assert isinstance(index, media.Index)
-    assert media.select_platform(index, media.Platform.parse("linux/amd64")).platform.architecture == "amd64"  # type: ignore[union-attr]
-    assert media.select_platform(index, media.Platform.parse("linux/arm64/v8")).platform.architecture == "arm64"  # type: ignore[union-attr]
+    amd64 = media.select_platform(index, media.Platform.parse("linux/amd64"))
+    assert amd64.platform == media.Platform("linux", "amd64")
+    arm64 = media.select_platform(index, media.Platform.parse("linux/arm64/v8"))
+    assert arm64.platform == media.Platform("linux", "arm64")
     with pytest.raises(LookupError, match="linux/s390x"):
         media.select_platform(index, media.Platform.parse("linux/s390x"))
     with pytest.raises(ValueError):
@@ -228,5 +237,108 @@ def test_platform_selection() -> None:
 
 def test_referrers_tag_and_link_header() -> None:
     assert referrers_tag(DIGEST) == "sha256-" + "ab" * 32
-    assert _next_link('</v2/a/referrers/x?n=2>; rel="next"') == "/v2/a/referrers/x?n=2"
-    assert _next_link("") is None
+    assert next_link('</v2/a/referrers/x?n=2>; rel="next"') == "/v2/a/referrers/x?n=2"
+    assert next_link("") is None
+
+
+def test_errors_name_the_reference() -> None:
+    ref = parse("127.0.0.1:5000/demo/train:v1")
+    error = NotFound.at(ref, "blob x not found")
+    assert isinstance(error, NotFound) and str(error) == "127.0.0.1:5000/demo/train: blob x not found"
+    assert (error.host, error.repository) == ("127.0.0.1:5000", "demo/train")
+    assert str(RegistryError("no repository", host="h")) == "h: no repository"
+
+
+def test_backoff_doubles_with_jitter_capped_and_stretched_by_retry_after() -> None:
+    backoff = Backoff(retries=4, base=0.25)
+    for attempt, full in enumerate([0.25, 0.5, 1.0, 2.0]):
+        assert all(full / 2 <= backoff.delay(attempt) <= full for _ in range(50))
+    assert backoff.delay(20) <= BACKOFF_CAP
+    assert backoff.delay(0, httpx.Response(429, headers={"Retry-After": "3"})) == 3.0
+    assert backoff.delay(0, httpx.Response(429, headers={"Retry-After": "3600"})) == BACKOFF_CAP
+    assert backoff.delay(0, httpx.Response(503, headers={"Retry-After": "soon"})) <= 0.25
+
+
+def _mirrored_transport(tmp_path: Path) -> tuple[Transport, Reference]:
+    (tmp_path / "r:5000").mkdir()
+    (tmp_path / "r:5000" / "hosts.toml").write_text(
+        'server = "http://r:5000"\n[host."http://m1"]\n[host."http://m2"]\n  capabilities = ["pull"]\n'
+    )
+    return Transport(certs_dir=tmp_path), parse("r:5000/a/b:v1")
+
+
+def test_over_endpoints_skips_failing_mirrors_until_the_server(tmp_path: Path) -> None:
+    transport, ref = _mirrored_transport(tmp_path)
+    tried: list[str] = []
+
+    def fails_on_mirrors(endpoint: Endpoint) -> int:
+        tried.append(endpoint.netloc)
+        if endpoint.mirror_of:
+            raise (NotFound if endpoint.netloc == "m1" else Unreachable).at(ref, "not here")
+        return 7
+
+    answer: int = transport.over_endpoints(ref, "pull", fails_on_mirrors)
+    assert answer == 7 and tried == ["m1", "m2", "r:5000"]
+    tried.clear()
+
+    def fails_everywhere(endpoint: Endpoint) -> int:
+        tried.append(endpoint.netloc)
+        raise ServerError.at(ref, "broken")
+
+    with pytest.raises(ServerError):
+        transport.over_endpoints(ref, "resolve", fails_everywhere)
+    assert tried == ["m1", "r:5000"]  # m2 cannot resolve; the server's error is final
+    (tmp_path / "ro:1").mkdir()
+    (tmp_path / "ro:1" / "hosts.toml").write_text('server = "http://ro:1"\ncapabilities = ["pull", "resolve"]\n')
+    with pytest.raises(RegistryError, match=r"ro:1/a: no endpoint in hosts\.toml has the 'push' capability"):
+        transport.endpoints(parse("ro:1/a"), "push")
+
+
+def test_over_endpoints_stays_on_a_pinned_endpoint(tmp_path: Path) -> None:
+    transport, ref = _mirrored_transport(tmp_path)
+    tried: list[str] = []
+
+    def breaks(endpoint: Endpoint) -> None:
+        tried.append(endpoint.netloc)
+        raise Unreachable.at(ref, "dropped mid-body")
+
+    with pytest.raises(Unreachable):
+        transport.over_endpoints(ref, "pull", breaks, pinned=lambda: True)
+    assert tried == ["m1"]
+    # Other registry errors (a refused login, a range beyond the end) are final anywhere.
+    with pytest.raises(Unauthorized):
+        transport.over_endpoints(ref, "pull", lambda e: _fail(Unauthorized, ref))
+
+
+def _fail(kind: type[RegistryError], ref: Reference) -> NoReturn:
+    raise kind.at(ref, "failed")
+
+
+def test_request_targets_and_origins() -> None:
+    mirror = Endpoint("https://mirror.example.com/v2", mirror_of="registry.example.com")
+    ref = parse("registry.example.com/a/b:v1")
+    request = Request(mirror, ref, "GET", "/a/b/manifests/v1", params={"n": "2"})
+    assert request.url == "https://mirror.example.com/v2/a/b/manifests/v1"
+    assert request.query == {"n": "2", "ns": "registry.example.com"}
+    assert request.on_registry("https://mirror.example.com/v2/x") and not request.on_registry("https://s3/x")
+    upload = Request(Endpoint("http://r:5000/v2"), ref, "PUT", "http://r:5000/v2/a/b/blobs/uploads/u?_state=s")
+    assert upload.url == upload.target and upload.query == {}
+
+
+def test_blob_body_ranges() -> None:
+    ref = parse("r:5000/a/b")
+    whole = BlobBody(ref, DIGEST, lambda _: None)
+    assert whole.range_header() == {} and whole.what == f"blob {DIGEST}" and whole.kind == "blob"
+    whole.deliver(b"12345")
+    assert whole.range_header() == {"Range": "bytes=5-"} and whole.started()
+    part = BlobBody(ref, DIGEST, lambda _: None, 100, 200)
+    assert part.range_header() == {"Range": "bytes=100-199"} and part.kind == "range"
+    assert part.what == f"blob {DIGEST} range [100, 200)"
+    part.deliver(b"x" * 40)
+    assert part.range_header() == {"Range": "bytes=140-199"} and part.offset == 140
+
+
+def test_content_range_start() -> None:
+    assert content_range_start(httpx.Response(206, headers={"Content-Range": "bytes 10-19/100"})) == 10
+    assert content_range_start(httpx.Response(206, headers={"Content-Range": "items 1-2/3"})) is None
+    assert content_range_start(httpx.Response(200)) is None

@@ -1,0 +1,59 @@
+"""Connection pools for registry traffic: one httpx client (synchronous,
+HTTP/1.1) per TLS configuration. Trust is the system store (not certifi's)
+plus what hosts.toml adds for an endpoint: its CAs, a client certificate,
+or skip_verify."""
+
+from __future__ import annotations
+
+import ssl
+import threading
+
+import httpx
+
+from snapshotter.registry.hosts import Endpoint
+
+
+def _verify(endpoint: Endpoint | None) -> ssl.SSLContext | bool:
+    if endpoint is None or endpoint.scheme != "https":
+        return ssl.create_default_context()
+    if endpoint.skip_verify:
+        return False
+    context = ssl.create_default_context()
+    for ca in endpoint.ca:
+        context.load_verify_locations(cafile=str(ca))
+    if endpoint.client_cert is not None:
+        cert, key = endpoint.client_cert
+        context.load_cert_chain(str(cert), str(key) if key else None)
+    return context
+
+
+class Pools:
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._clients: dict[str, httpx.Client] = {}
+        self._lock = threading.Lock()
+
+    def get(self, endpoint: Endpoint | None) -> httpx.Client:
+        """The pool for `endpoint`; None is "plain system TLS" for redirect
+        targets and token servers, which get no registry-specific trust."""
+        key = endpoint.base_url if endpoint else ""
+        with self._lock:
+            client = self._clients.get(key)
+            if client is None:
+                client = httpx.Client(
+                    verify=_verify(endpoint),
+                    timeout=httpx.Timeout(self.timeout),
+                    # The transport follows redirects itself, so credentials stay on their origin.
+                    follow_redirects=False,
+                    trust_env=False,
+                    # Blob bytes must arrive as stored: digests and ranges are over them.
+                    headers={"Accept-Encoding": "identity"},
+                )
+                self._clients[key] = client
+            return client
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()

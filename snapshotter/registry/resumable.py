@@ -1,0 +1,135 @@
+"""Reading blob bytes that survive dropped connections.
+
+A `BlobBody` is a blob's bytes from `start` to `end` (or to the blob's end)
+on their way to a sink. When the connection breaks, `read` asks again with a
+Range from where the bytes stopped, up to the retry budget. Whole blobs and
+ranges go through this same loop; a server that ignores Range answers 200
+with the whole blob, which is skipped to the offset asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import structlog
+
+from snapshotter.registry.errors import RegistryError, ServerError, Unreachable
+from snapshotter.registry.hosts import Endpoint
+from snapshotter.registry.metrics import BYTES, RETRIES
+from snapshotter.registry.reference import Reference
+from snapshotter.registry.responses import content_range_start, unexpected
+from snapshotter.registry.transport import Request, Transport
+
+log = structlog.get_logger("bootseer.registry")
+
+
+class _ShortRead(Exception):
+    """A range's body ended before any of the bytes asked for; retried like a reset."""
+
+
+@dataclass
+class BlobBody:
+    """Bytes [start, end) of blob `digest` on their way to `sink`, across
+    however many requests and endpoints that takes."""
+
+    ref: Reference
+    digest: str
+    sink: Callable[[bytes], None]
+    start: int = 0
+    end: int | None = None  # exclusive; None: to the end of the blob
+    # Bytes handed to `sink` so far, whichever endpoints and requests they came from.
+    delivered: int = 0
+    done: bool = False
+
+    @property
+    def offset(self) -> int:
+        return self.start + self.delivered
+
+    @property
+    def kind(self) -> str:
+        """bootseer_registry_bytes_total's label."""
+        return "blob" if self.end is None else "range"
+
+    @property
+    def what(self) -> str:
+        if self.end is None:
+            return f"blob {self.digest}"
+        return f"blob {self.digest} range [{self.start}, {self.end})"
+
+    def range_header(self) -> dict[str, str]:
+        if self.end is not None:
+            return {"Range": f"bytes={self.offset}-{self.end - 1}"}
+        return {"Range": f"bytes={self.offset}-"} if self.offset else {}
+
+    def started(self) -> bool:
+        return self.delivered > 0
+
+    def deliver(self, chunk: bytes) -> None:
+        self.sink(chunk)
+        self.delivered += len(chunk)
+        BYTES.labels(self.kind).inc(len(chunk))
+
+
+def read(transport: Transport, body: BlobBody, endpoint: Endpoint) -> None:
+    """Deliver the rest of `body` from `endpoint`, asking again from where it
+    stopped after each break."""
+    failures = 0
+    while not body.done:
+        try:
+            _read_once(transport, body, endpoint)
+        except (httpx.TransportError, _ShortRead) as exc:
+            failures += 1
+            if failures > transport.backoff.retries:
+                raise Unreachable.at(
+                    body.ref,
+                    f"{body.what}: transfer kept breaking ({type(exc).__name__}) after {body.delivered} bytes; "
+                    "check the network to the registry",
+                ) from None
+            RETRIES.labels("body").inc()
+            log.info(
+                "registry.resume",
+                host=body.ref.domain,
+                repository=body.ref.repository,
+                digest=body.digest,
+                offset=body.offset,
+                reason=type(exc).__name__,
+            )
+            transport.backoff.sleep(failures - 1)
+
+
+def _read_once(transport: Transport, body: BlobBody, endpoint: Endpoint) -> None:
+    """One GET from `body.offset`, delivering what it brings. A range that
+    ends cleanly but short leaves `done` unset, so `read` asks again; that
+    counts as a break only when it brought nothing."""
+    ref, digest, offset = body.ref, body.digest, body.offset
+    response = transport.send(
+        Request(endpoint, ref, "GET", f"/{ref.repository}/blobs/{digest}", headers=body.range_header())
+    )
+    try:
+        if response.status_code == 416 and body.end is not None:
+            raise RegistryError.at(ref, f"blob {digest}: range [{offset}, {body.end}) lies beyond its end")
+        if response.status_code not in (200, 206):
+            raise unexpected(response, f"blob {digest}", ref)
+        if response.status_code == 206 and content_range_start(response) != offset:
+            raise ServerError.at(ref, f"blob {digest}: registry answered a different range than asked")
+        skip = offset if response.status_code == 200 else 0
+        got = 0
+        for raw in response.iter_raw():
+            chunk = raw[skip:]
+            skip -= len(raw) - len(chunk)
+            if body.end is not None:
+                chunk = chunk[: body.end - body.offset]
+            if chunk:
+                body.deliver(chunk)
+                got += len(chunk)
+            if body.offset == body.end:
+                body.done = True
+                return  # closing early drops the rest of a whole-body answer
+        if body.end is None:
+            body.done = True
+        elif got == 0:
+            raise _ShortRead()
+    finally:
+        response.close()

@@ -1,0 +1,258 @@
+"""The transport under the OCI API: which endpoints a registry request may
+go to, and how one gets there.
+
+Each request goes to the endpoints that hosts.toml lists for the registry
+(mirrors first, then the server; `over_endpoints`). Sending one is layered
+as httpx layers its own loops, each a method below: `send` -> handling auth
+(the registry's 401 challenge is answered once: basic auth, or a bearer
+token fetched from the challenge's realm and cached per scope) -> handling
+redirects -> handling retries (exponential backoff plus jitter on 5xx, 429,
+resets and timeouts) -> a single request. Credentials go only to the
+registry endpoint they belong to: a redirect to another origin (blob
+storage) is followed without them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urljoin, urlsplit
+
+import httpx
+import structlog
+
+from snapshotter.registry.auth import Keychain
+from snapshotter.registry.authenticator import Authenticator
+from snapshotter.registry.errors import NotFound, RegistryError, ServerError, Unauthorized, Unreachable
+from snapshotter.registry.hosts import Endpoint, endpoints_for
+from snapshotter.registry.metrics import REQUESTS, RETRIES
+from snapshotter.registry.pools import Pools
+from snapshotter.registry.reference import Reference
+from snapshotter.registry.retry import RETRY_STATUSES, Backoff
+
+log = structlog.get_logger("bootseer.registry")
+
+T = TypeVar("T")
+
+REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+MAX_REDIRECTS = 5
+
+
+def _origin(url: str) -> tuple[str, str]:
+    parts = urlsplit(url)
+    return parts.scheme, parts.netloc
+
+
+@dataclass(frozen=True)
+class Request:
+    """One registry API request as the API asks for it; the transport adds
+    the endpoint's headers and query, credentials, redirects and retries."""
+
+    endpoint: Endpoint
+    ref: Reference
+    method: str
+    # A path under the endpoint's base URL, or an absolute URL (an upload's Location).
+    target: str
+    actions: str = "pull"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    params: Mapping[str, str] = field(default_factory=dict)
+    content: bytes | None = None
+
+    @property
+    def url(self) -> str:
+        return self.target if "://" in self.target else self.endpoint.base_url + self.target
+
+    @property
+    def query(self) -> dict[str, str]:
+        query = dict(self.params)
+        if self.endpoint.mirror_of:
+            query["ns"] = self.endpoint.mirror_of
+        return query
+
+    def on_registry(self, url: str) -> bool:
+        """Whether `url` is on the endpoint's own origin, the one its
+        credentials, headers and query are for."""
+        return _origin(url) == _origin(self.endpoint.base_url)
+
+
+@dataclass
+class _Attempts:
+    """Tries one request has used, across redirects and auth rounds alike."""
+
+    used: int = 0
+
+
+class Transport:
+    def __init__(
+        self,
+        *,
+        plain_http: bool = False,
+        certs_dir: Path | None = None,
+        docker_config: Path | None = None,
+        timeout: float = 30.0,
+        retries: int = 4,
+        backoff: float = 0.25,
+    ) -> None:
+        self.plain_http = plain_http
+        self.certs_dir = certs_dir
+        self.backoff = Backoff(retries, backoff)
+        self.pools = Pools(timeout)
+        self.auth = Authenticator(Keychain(docker_config), self.pools, self.backoff)
+        self._endpoints: dict[str, list[Endpoint]] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.pools.close()
+
+    # -- endpoints ----------------------------------------------------------
+
+    def endpoints(self, ref: Reference, capability: str) -> list[Endpoint]:
+        with self._lock:
+            if ref.domain not in self._endpoints:
+                self._endpoints[ref.domain] = endpoints_for(ref.domain, self.certs_dir, self.plain_http)
+            every = self._endpoints[ref.domain]
+        usable = [e for e in every if capability in e.capabilities]
+        if not usable:
+            raise RegistryError.at(
+                ref, f"no endpoint in hosts.toml has the {capability!r} capability; add it to a [host] entry"
+            )
+        return usable
+
+    def over_endpoints(
+        self,
+        ref: Reference,
+        capability: str,
+        call: Callable[[Endpoint], T],
+        pinned: Callable[[], bool] | None = None,
+    ) -> T:
+        """`call` on each endpoint in order until one succeeds; a mirror that
+        lacks the object or fails is skipped, the server's error is final, and
+        so is any error once `pinned()` says the caller already holds bytes
+        from that endpoint."""
+        *mirrors, server = self.endpoints(ref, capability)
+        for endpoint in mirrors:
+            try:
+                return call(endpoint)
+            except (NotFound, Unreachable, ServerError) as exc:
+                if pinned is not None and pinned():
+                    raise
+                log.info("registry.endpoint_skipped", endpoint=endpoint.base_url, reason=str(exc))
+        return call(server)
+
+    # -- sending, one layer per method ----------------------------------------
+
+    def send(self, request: Request) -> httpx.Response:
+        """`request` with auth, redirects and retries. The response is
+        returned open (streamed) for every status but the retried ones; the
+        caller must close it."""
+        return self._send_handling_auth(request, _Attempts())
+
+    def _send_handling_auth(self, request: Request, attempts: _Attempts) -> httpx.Response:
+        """Send with what the registry's last challenge asked for; the first
+        401 from the registry itself is answered and the request sent again,
+        any other 401 is final."""
+        answered = False
+        while True:
+            authorization = self.auth.header(request.endpoint, request.ref, request.actions)
+            response = self._send_handling_redirects(request, authorization, attempts)
+            if response.status_code != 401:
+                return response
+            if answered or not request.on_registry(str(response.url)):
+                response.close()
+                raise Unauthorized.at(
+                    request.ref,
+                    f"registry refused the credentials for {request.ref.domain} from {self.auth.keychain.path}; "
+                    "check them (docker login) and that the user may "
+                    f"{request.actions.replace(',', ' and ')} this repository",
+                )
+            response.read()
+            response.close()
+            self.auth.answer(request.endpoint, request.ref, request.actions, response)
+            answered = True
+
+    def _send_handling_redirects(
+        self, request: Request, authorization: str | None, attempts: _Attempts
+    ) -> httpx.Response:
+        url = request.url
+        redirects = 0
+        while True:
+            response = self._send_handling_retries(request, url, authorization, attempts)
+            if response.status_code not in REDIRECT_STATUSES or "Location" not in response.headers:
+                return response
+            response.close()
+            redirects += 1
+            if redirects > MAX_REDIRECTS:
+                raise ServerError.at(
+                    request.ref, f"more than {MAX_REDIRECTS} redirects for {request.method} {request.target}"
+                )
+            url = urljoin(str(response.url), response.headers["Location"])
+
+    def _send_handling_retries(
+        self, request: Request, url: str, authorization: str | None, attempts: _Attempts
+    ) -> httpx.Response:
+        while True:
+            try:
+                response = self._send_single_request(request, url, authorization)
+            except httpx.TransportError as exc:
+                reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                if attempts.used >= self.backoff.retries:
+                    raise Unreachable.at(
+                        request.ref,
+                        f"no answer from {urlsplit(url).netloc} after {attempts.used + 1} attempts ({reason}); "
+                        "check that the registry is up and reachable, and its entry in hosts.toml",
+                    ) from None
+                self._before_retry(request, attempts, "transport", reason, None)
+                continue
+            if response.status_code not in RETRY_STATUSES:
+                return response
+            response.close()
+            reason = f"HTTP {response.status_code}"
+            if attempts.used >= self.backoff.retries:
+                raise ServerError.at(
+                    request.ref,
+                    f"{request.method} {request.target} kept failing ({reason} after {attempts.used + 1} attempts); "
+                    "the registry is overloaded or broken, try again later",
+                )
+            self._before_retry(request, attempts, str(response.status_code), reason, response)
+
+    def _before_retry(
+        self, request: Request, attempts: _Attempts, label: str, reason: str, response: httpx.Response | None
+    ) -> None:
+        RETRIES.labels(label).inc()
+        log.info(
+            "registry.retry",
+            host=request.ref.domain,
+            repository=request.ref.repository,
+            attempt=attempts.used + 1,
+            reason=reason,
+        )
+        self.backoff.sleep(attempts.used, response)
+        attempts.used += 1
+
+    def _send_single_request(self, request: Request, url: str, authorization: str | None) -> httpx.Response:
+        """One HTTP exchange. Another origin than the endpoint's (blob storage
+        a redirect points at) gets only the request's own headers, through a
+        pool with no registry-specific trust."""
+        own = request.on_registry(url)
+        headers = {**request.endpoint.headers, **request.headers} if own else dict(request.headers)
+        if own and authorization:
+            headers["Authorization"] = authorization
+        client = self.pools.get(request.endpoint if own else None)
+        target = httpx.URL(url)
+        query = request.query
+        if own and query:
+            # Merged into the URL: httpx's params= would replace a query already
+            # there (an upload's _state, a presigned URL's signature).
+            target = target.copy_merge_params(query)
+        try:
+            response = client.send(
+                client.build_request(request.method, target, headers=headers, content=request.content), stream=True
+            )
+        except httpx.TransportError:
+            REQUESTS.labels(request.method, "error").inc()
+            raise
+        REQUESTS.labels(request.method, str(response.status_code)).inc()
+        return response
