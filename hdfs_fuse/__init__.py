@@ -4,6 +4,8 @@ local), as a library and behind a read-only FUSE mount.
     import hdfs_fuse
     with hdfs_fuse.open("hdfs://namenode/ckpt/model.pt") as f:
         state = torch.load(f)
+
+Imports no other part of bootseer; its commands are `bootseer.commands.hdfs_fuse`.
 """
 
 from __future__ import annotations

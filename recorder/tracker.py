@@ -69,6 +69,9 @@ class _Image:
     session: RecordingSession | None = None
     started_layers: set[str] = field(default_factory=set)
     decided: bool = False
+    # The session records only in case the manifest turns out unusable: it
+    # is dropped once every layer's blocks checked out.
+    provisional: bool = False
     prefetch: _Prefetch | None = None
 
 
@@ -104,8 +107,12 @@ class HotBlocks:
                 await trio.sleep(TICK_S)
                 now = time.monotonic()
                 for image in list(self.images.values()):
-                    if image.session is not None and image.session.settled(now):
-                        session, image.session = image.session, None
+                    # Until the manifest is decided on and checked, the
+                    # session may yet be dropped for it.
+                    if not image.decided or image.session is None or not image.session.settled(now):
+                        continue
+                    session, image.session = image.session, None
+                    if not image.provisional:
                         nursery.start_soon(self._finish, image, session)
 
     # -- events from the file system ---------------------------------------
@@ -127,12 +134,17 @@ class HotBlocks:
         image = self.images.get(request.image)
         if image is None:
             image = self.images[request.image] = _Image(request)
+            # Record from the first moment: the run's first reads arrive
+            # while the manifest is still being looked for, and a recording
+            # that turns out not to be wanted is simply dropped.
+            self._start_recording(image, quiet=True)
             self._nursery.start_soon(self._decide, image)
             return
         image.request = request
         if image.session is not None:
             image.session.layers.update(request.layers)
             image.session.stop_requested = request.stop
+            image.provisional = image.provisional and not request.record
         elif request.record and not request.stop:
             self._start_recording(image)
         self._start_prefetches(image)
@@ -150,6 +162,10 @@ class HotBlocks:
             )
             manifest = None
         image.decided = True
+        if manifest is not None and not image.request.record:
+            image.provisional = True
+        elif image.session is not None:
+            log.info("recording first-run block reads", image=request.image)
         if manifest is not None:
             image.manifest = manifest
             log.info(
@@ -159,8 +175,6 @@ class HotBlocks:
                 bytes=manifest.total_bytes,
                 runs=manifest.runs,
             )
-        if manifest is None or request.record:
-            self._start_recording(image)
         self._start_prefetches(image)
 
     def _find_manifest(self, request: ImageRequest) -> HotManifest | None:
@@ -183,7 +197,7 @@ class HotBlocks:
         self.local.put(manifest)
         return manifest
 
-    def _start_recording(self, image: _Image) -> None:
+    def _start_recording(self, image: _Image, quiet: bool = False) -> None:
         if image.session is None:
             image.session = RecordingSession(
                 image=image.request.image,
@@ -191,8 +205,10 @@ class HotBlocks:
                 started=time.monotonic(),
                 idle_s=self.settings.idle_s,
                 max_s=self.settings.max_s,
+                stop_requested=image.request.stop,
             )
-            log.info("recording first-run block reads", image=image.request.image)
+            if not quiet:
+                log.info("recording first-run block reads", image=image.request.image)
 
     # -- prefetching ------------------------------------------------------------
 
@@ -229,6 +245,7 @@ class HotBlocks:
                 if image.manifest is prefetch.manifest:
                     # Record this run instead: its manifest replaces the stale one.
                     image.manifest = None
+                    image.provisional = False
                     self._start_recording(image)
                 return
             prefetch.layers[layer_digest] = layer
@@ -237,6 +254,9 @@ class HotBlocks:
         finally:
             prefetch.queued.add(layer_digest)
             prefetch.wake()
+            if image.provisional and image.manifest is prefetch.manifest and prefetch.expected <= prefetch.queued:
+                image.session = None
+                image.provisional = False
 
     async def _prefetch_worker(self, image: _Image, prefetch: _Prefetch) -> None:
         prefetch.workers += 1
@@ -278,44 +298,50 @@ class HotBlocks:
                 indexes[layer_digest] = layer.reader.index
         accesses = {k: v for k, v in session.accesses.items() if k[0] in indexes}
         recorded = hot.from_record(session.image, accesses, indexes)
+        merged = await trio.to_thread.run_sync(self._merged, image.request, recorded, indexes)
+        # The node keeps what it learnt whatever the registry says.
+        self.local.put(merged)
         try:
-            published = await trio.to_thread.run_sync(self._publish, image.request, recorded, indexes)
+            await trio.to_thread.run_sync(self._push, image.request, merged)
         except Exception as exc:
             log.warning("hot-block manifest kept locally; publishing failed", image=session.image, error=str(exc))
-            self.local.put(recorded)
             return
         log.info(
             "hot-block manifest published",
             image=session.image,
-            blocks=len(published.blocks),
-            bytes=published.total_bytes,
-            runs=published.runs,
+            blocks=len(merged.blocks),
+            bytes=merged.total_bytes,
+            runs=merged.runs,
         )
 
-    def _publish(
-        self, request: ImageRequest, recorded: HotManifest, indexes: dict[str, LayerIndex]
-    ) -> HotManifest:
-        ref = parse_reference(request.ref)
-        merged = recorded
+    def _merged(self, request: ImageRequest, recorded: HotManifest, indexes: dict[str, LayerIndex]) -> HotManifest:
+        """This run merged into what the image already has: its published
+        manifest or, if there is none or the registry cannot be asked, this
+        node's. A stale one is replaced."""
         try:
             existing = self._fetch_published(request)
         except Exception as exc:
-            log.warning("published hot-block manifest unreadable; replacing it", image=request.image, error=str(exc))
+            log.warning("published hot-block manifest unreadable", image=request.image, error=str(exc))
             existing = None
-        if existing is not None:
-            try:
-                hot.check(existing, request.image, indexes | self._indexes_of(existing, indexes))
-                merged = hot.merge(existing, recorded)
-            except ManifestError as exc:
-                log.warning("published hot-block manifest is stale; replacing it", image=request.image, reason=str(exc))
-        self.local.put(merged)
+        if existing is None:
+            existing = self.local.get(request.image)
+        if existing is None:
+            return recorded
+        try:
+            hot.check(existing, request.image, indexes | self._indexes_of(existing, indexes))
+            return hot.merge(existing, recorded)
+        except ManifestError as exc:
+            log.warning("hot-block manifest is stale; replacing it", image=request.image, reason=str(exc))
+            return recorded
+
+    def _push(self, request: ImageRequest, manifest: HotManifest) -> None:
+        ref = parse_reference(request.ref)
         data, media_type, digest = self.client.fetch_manifest(ref.with_digest(request.image))
-        blob = self.client.push_blob(ref, merged.encode(), media_type=hot.MEDIA_TYPE)
+        blob = self.client.push_blob(ref, manifest.encode(), media_type=hot.MEDIA_TYPE)
         subject = Descriptor(media_type, digest, len(data))
         artifact.push(
             self.client, ref, subject, hot.ARTIFACT_TYPE, [Descriptor(hot.MEDIA_TYPE, blob.digest, blob.size)]
         )
-        return merged
 
     def _indexes_of(self, manifest: HotManifest, known: dict[str, LayerIndex]) -> dict[str, LayerIndex]:
         """Indexes of layers a manifest names that this recording did not read."""
@@ -325,4 +351,3 @@ class HotBlocks:
             if loaded is not None:
                 out[layer] = loaded.reader.index
         return out
-
