@@ -10,6 +10,7 @@ containerd asked for. Anything else leaves the layer to the normal path.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import threading
@@ -104,6 +105,8 @@ class RemoteLayers:
         try:
             shown = control.lookup(self.mountpoint, name)
         except OSError as exc:
+            if exc.errno == errno.EIO:
+                raise NotLazy(f"the layer server refused layer {name} (see its log)") from None
             raise NotLazy(f"the layer server at {self.mountpoint} does not answer: {exc.strerror}") from None
         if not shown:
             raise NotLazy(f"the layer server does not show layer {name} at {path}")

@@ -2,9 +2,9 @@
 the crc32 of its uncompressed bytes. Where a block lives (in the compressed
 blob, the uncompressed stream, the cache file) follows from the layer index:
 the cache file is the uncompressed layer, sparse. Blocks are recorded once
-written, without waiting for the disk; the crc lets a restarted server check
-each block on its first read, so a block lost in a power cut is fetched
-again rather than served as zeros."""
+written in full, without waiting for the disk; the crc lets a restarted
+server check each block on its first read, so a block lost in a power cut is
+fetched again rather than served as zeros."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ from pathlib import Path
 import lmdb
 
 _RECORD = struct.Struct(">BI")
+
+
+class BlockIndexError(Exception):
+    """A record could not be written (the disk is full, say)."""
 
 
 class BlockState(enum.IntEnum):
@@ -39,8 +43,11 @@ class BlockIndex:
 
     def put(self, layer: str, number: int, record: BlockRecord) -> None:
         value = _RECORD.pack(record.state, record.crc32)
-        with self._env.begin(write=True) as txn:
-            txn.put(_key(layer, number), value)
+        try:
+            with self._env.begin(write=True) as txn:
+                txn.put(_key(layer, number), value)
+        except lmdb.Error as exc:
+            raise BlockIndexError(f"block {number} of {layer} not recorded: {exc}") from exc
 
     def cached(self, layer: str) -> dict[int, BlockRecord]:
         """Every cached block of `layer`, by number."""

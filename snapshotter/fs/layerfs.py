@@ -4,21 +4,27 @@ store by name; each layer directory is that layer's tree, read-only.
 Inode numbers: the mount root is 1; a layer loaded into slot S owns inodes
 S << 32 | n for its tree's inode n, so hardlinks within a layer share an
 inode and layers never collide.
+
+Layers are untrusted input. Any request that fails other than with a
+FUSEError answers EIO and leaves its layer broken: every later request on
+that layer answers EIO at once, while the mount and the other layers carry on.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import pyfuse3
 import structlog
 import trio
 
+from snapshotter.fs import metrics
 from snapshotter.fs.background import BackgroundFetch
 from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.fs.control import CONTROL_PREFIX
@@ -32,6 +38,11 @@ SLOT_SHIFT = 32
 # Layers never change, so the kernel may cache names and attributes for long.
 TIMEOUT = 3600.0
 BLOCK_SIZE = 4096
+# Every listing starts with "." and "..", at offsets 1 and 2.
+DOTS = 2
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 class BlockEvents(Protocol):
@@ -50,11 +61,62 @@ class _Layer:
     tree: LayerTree
     reader: LayerReader
     store: LayerStore
+    root_attr: pyfuse3.EntryAttributes
+    # The parent of every directory but the layer's root, for "..".
+    parents: dict[int, int]
+    broken: bool = False
 
     @property
     def current(self) -> bool:
-        """Still the copy the store holds (not removed or replaced)."""
-        return self.store.generation(self.name) == self.generation
+        """Still the copy the store holds (not removed or replaced), and
+        not broken: nothing more is fetched for a copy no reader can use."""
+        return not self.broken and self.store.generation(self.name) == self.generation
+
+
+def _guarded(
+    op: Callable[Concatenate[LayerFS, _P], Coroutine[Any, Any, _R]],
+) -> Callable[Concatenate[LayerFS, _P], Coroutine[Any, Any, _R]]:
+    """A FUSE handler whose unexpected errors answer EIO: pyfuse3 ends its
+    main loop, and with it the whole mount, on anything but a FUSEError.
+    Only Exception is caught: cancellation (trio.Cancelled, alone or in a
+    BaseExceptionGroup) and KeyboardInterrupt must reach trio."""
+
+    async def handler(self: LayerFS, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return await op(self, *args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as exc:
+            self._request_failed(op.__name__, args, exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    functools.update_wrapper(handler, op)
+    return handler
+
+
+def _guarded_forget(
+    op: Callable[[LayerFS, Sequence[tuple[int, int]]], Coroutine[Any, Any, None]],
+) -> Callable[[LayerFS, Sequence[tuple[int, int]]], Coroutine[Any, Any, None]]:
+    """forget has no reply: pyfuse3 awaits it bare, so any error there, even
+    a FUSEError, would end the main loop."""
+
+    async def handler(self: LayerFS, inode_list: Sequence[tuple[int, int]]) -> None:
+        try:
+            await op(self, inode_list)
+        except Exception as exc:
+            self._request_failed(op.__name__, (inode_list,), exc)
+
+    functools.update_wrapper(handler, op)
+    return handler
+
+
+def _reply_dots(
+    token: pyfuse3.ReaddirToken, start_id: int, this: pyfuse3.EntryAttributes, parent: pyfuse3.EntryAttributes
+) -> bool:
+    for n, (name, attr) in enumerate(((b".", this), (b"..", parent))[start_id:], start_id + 1):
+        if not pyfuse3.readdir_reply(token, name, attr, n):
+            return False
+    return True
 
 
 class LayerFS(pyfuse3.Operations):
@@ -74,6 +136,9 @@ class LayerFS(pyfuse3.Operations):
         self.fetcher_for = fetcher_for
         self.layers_by_name: dict[str, _Layer] = {}
         self.layers_by_slot: dict[int, _Layer] = {}
+        # Copies (name -> generation) that failed to load: not tried again
+        # until the store holds another copy.
+        self.unloadable: dict[str, str] = {}
         self.limiter = trio.CapacityLimiter(max_parallel_fetches)
         self.prefetch_limiter = trio.CapacityLimiter(prefetch_parallel)
         self.background_limiter = trio.CapacityLimiter(1)
@@ -94,27 +159,69 @@ class LayerFS(pyfuse3.Operations):
             self.events.access(layer, block)
 
     async def layer_for_digest(self, digest: str) -> _Layer | None:
-        return await self._layer(layer_name(digest))
+        try:
+            return await self._layer(layer_name(digest))
+        except pyfuse3.FUSEError:
+            # A broken copy: nothing to prefetch into or record from.
+            return None
+
+    def _request_failed(self, op: str, args: tuple[object, ...], exc: Exception) -> None:
+        # Requests on the mount root (slot 0), statfs and forget concern no
+        # single layer.
+        inode = args[0] if args else None
+        layer = self.layers_by_slot.get(inode >> SLOT_SHIFT) if isinstance(inode, int) else None
+        if layer is not None:
+            layer.broken = True
+        metrics.HANDLER_ERRORS.labels(op).inc()
+        log.error(
+            "FUSE request failed; answering EIO, and EIO for its layer from now on",
+            op=op,
+            layer=layer.name if layer is not None else None,
+            error=repr(exc),
+            exc_info=exc,
+        )
 
     # -- layers -------------------------------------------------------------
 
     async def _layer(self, name: str) -> _Layer | None:
         """The layer `name` as the store holds it now: loaded on first use,
-        loaded again if it was removed and added back (a new generation)."""
+        loaded again if it was removed and added back (a new generation).
+        None if the store does not hold it; EIO if this copy is broken."""
         generation = await trio.to_thread.run_sync(self.store.generation, name)
         if generation is None:
             return None
         layer = self.layers_by_name.get(name)
-        if layer is not None and layer.generation == generation:
-            return layer
-        async with self.load_lock:
-            layer = self.layers_by_name.get(name)
-            if layer is None or layer.generation != generation:
-                layer = await trio.to_thread.run_sync(self._load, name)
-                if layer.reader.index.compressed_size <= self.whole_layer_bytes:
-                    trio.lowlevel.spawn_system_task(self._fetch_whole, layer)
-                elif self.background is not None:
-                    self.background.add(layer)
+        if layer is None or layer.generation != generation:
+            async with self.load_lock:
+                layer = self.layers_by_name.get(name)
+                if layer is None or layer.generation != generation:
+                    layer = await self._load_copy(name, generation)
+        if layer.broken:
+            raise pyfuse3.FUSEError(errno.EIO)
+        return layer
+
+    async def _load_copy(self, name: str, generation: str) -> _Layer:
+        # Loading is reached from outside FUSE requests too (the hot-block
+        # tracker), and a hostile index may be costly to decode: a copy that
+        # cannot be loaded is remembered, not tried on every lookup.
+        if self.unloadable.get(name) == generation:
+            raise pyfuse3.FUSEError(errno.EIO)
+        try:
+            layer = await trio.to_thread.run_sync(self._load, name)
+        except Exception as exc:
+            self.unloadable[name] = generation
+            metrics.LAYER_LOAD_ERRORS.inc()
+            log.error(
+                "layer cannot be loaded; it answers EIO until the store holds another copy",
+                layer=name,
+                error=repr(exc),
+                exc_info=exc,
+            )
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        if layer.reader.index.compressed_size <= self.whole_layer_bytes:
+            trio.lowlevel.spawn_system_task(self._fetch_whole, layer)
+        elif self.background is not None:
+            self.background.add(layer)
         return layer
 
     async def _fetch_whole(self, layer: _Layer) -> None:
@@ -129,7 +236,19 @@ class LayerFS(pyfuse3.Operations):
 
     def _load(self, name: str) -> _Layer:
         index, source = self.store.load(name)
+        tree = build_tree(index.entries)
         slot = len(self.layers_by_slot) + 1
+        root_attr = self._attr(slot, tree.nodes[ROOT])
+        # Layers come and go from the store: the kernel looks them up afresh each time.
+        root_attr.entry_timeout = 0
+        parents = {
+            child: ino
+            for ino, node in tree.nodes.items()
+            if node.children
+            for child in node.children.values()
+            if tree.nodes[child].is_dir
+        }
+        # Last: the reader holds the cache file open.
         reader = LayerReader(
             name,
             source.cache_key,
@@ -142,7 +261,7 @@ class LayerFS(pyfuse3.Operations):
             self.background_limiter,
             self._access,
         )
-        layer = _Layer(slot, name, source.generation, build_tree(index.entries), reader, self.store)
+        layer = _Layer(slot, name, source.generation, tree, reader, self.store, root_attr, parents)
         self.layers_by_name[name] = layer
         self.layers_by_slot[slot] = layer
         log.info("layer loaded", layer=name, slot=slot, blocks=len(index.blocks), cached=len(reader.cached))
@@ -153,13 +272,15 @@ class LayerFS(pyfuse3.Operations):
         node = layer.tree.nodes.get(inode & ((1 << SLOT_SHIFT) - 1)) if layer else None
         if layer is None or node is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
+        if layer.broken:
+            raise pyfuse3.FUSEError(errno.EIO)
         return layer, node
 
     # -- attributes ---------------------------------------------------------
 
-    def _attr(self, layer: _Layer, node: Node) -> pyfuse3.EntryAttributes:
+    def _attr(self, slot: int, node: Node) -> pyfuse3.EntryAttributes:
         attr = pyfuse3.EntryAttributes()
-        attr.st_ino = (layer.slot << SLOT_SHIFT) | node.ino
+        attr.st_ino = (slot << SLOT_SHIFT) | node.ino
         attr.generation = 0
         attr.entry_timeout = TIMEOUT
         attr.attr_timeout = TIMEOUT
@@ -186,11 +307,14 @@ class LayerFS(pyfuse3.Operations):
         attr.attr_timeout = 0
         return attr
 
+    @_guarded
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
         if inode == pyfuse3.ROOT_INODE:
             return self._root_attr()
-        return self._attr(*self._resolve(inode))
+        layer, node = self._resolve(inode)
+        return self._attr(layer.slot, node)
 
+    @_guarded
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
     ) -> pyfuse3.EntryAttributes:
@@ -205,56 +329,71 @@ class LayerFS(pyfuse3.Operations):
             layer = await self._layer(text)
             if layer is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
-            attr = self._attr(layer, layer.tree.nodes[ROOT])
-            # Layers come and go from the store: look them up afresh each time.
-            attr.entry_timeout = 0
-            return attr
+            return layer.root_attr
         layer, node = self._resolve(parent_inode)
         if name == b".":
-            return self._attr(layer, node)
+            return self._attr(layer.slot, node)
         child = layer.tree.lookup(node.ino, name)
         if child is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
-        return self._attr(layer, child)
+        return self._attr(layer.slot, child)
 
+    @_guarded_forget
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         # Trees stay in memory for the mount's life; nothing to release.
         return None
 
     # -- directories --------------------------------------------------------
 
+    @_guarded
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         if inode != pyfuse3.ROOT_INODE and not self._resolve(inode)[1].is_dir:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         return inode
 
+    @_guarded
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         if fh == pyfuse3.ROOT_INODE:
+            root = self._root_attr()
+            if start_id < DOTS and not _reply_dots(token, start_id, root, root):
+                return
             names = await trio.to_thread.run_sync(self.store.names)
-            for n, name in enumerate(names[start_id:], start_id + 1):
-                layer = await self._layer(name)
+            for n, name in enumerate(names[max(start_id - DOTS, 0) :], max(start_id, DOTS) + 1):
+                try:
+                    layer = await self._layer(name)
+                except pyfuse3.FUSEError:
+                    # A broken copy is left out; looking it up answers EIO.
+                    continue
                 if layer is None:
                     continue
-                if not pyfuse3.readdir_reply(token, name.encode(), self._attr(layer, layer.tree.nodes[ROOT]), n):
+                if not pyfuse3.readdir_reply(token, name.encode(), layer.root_attr, n):
                     return
             return
         layer, node = self._resolve(fh)
+        if start_id < DOTS:
+            parent = layer.parents.get(node.ino)
+            up = self._root_attr() if parent is None else self._attr(layer.slot, layer.tree.nodes[parent])
+            if not _reply_dots(token, start_id, self._attr(layer.slot, node), up):
+                return
         entries = sorted((node.children or {}).items())
-        for n, (child, ino) in enumerate(entries[start_id:], start_id + 1):
-            if not pyfuse3.readdir_reply(token, child, self._attr(layer, layer.tree.nodes[ino]), n):
+        for n, (child, ino) in enumerate(entries[max(start_id - DOTS, 0) :], max(start_id, DOTS) + 1):
+            if not pyfuse3.readdir_reply(token, child, self._attr(layer.slot, layer.tree.nodes[ino]), n):
                 return
 
+    @_guarded
     async def releasedir(self, fh: int) -> None:
         return None
 
     # -- files --------------------------------------------------------------
 
+    @_guarded
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         _, node = self._resolve(inode)
         if not stat.S_ISLNK(node.mode):
             raise pyfuse3.FUSEError(errno.EINVAL)
         return node.target
 
+    @_guarded
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         _, node = self._resolve(inode)
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
@@ -263,6 +402,7 @@ class LayerFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL)
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
+    @_guarded
     async def read(self, fh: int, off: int, size: int) -> bytes:
         layer, node = self._resolve(fh)
         if off >= node.size:
@@ -273,11 +413,13 @@ class LayerFS(pyfuse3.Operations):
         except BlockUnavailable:
             raise pyfuse3.FUSEError(errno.EIO) from None
 
+    @_guarded
     async def release(self, fh: int) -> None:
         return None
 
     # -- xattrs and statfs --------------------------------------------------
 
+    @_guarded
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if inode == pyfuse3.ROOT_INODE:
             raise pyfuse3.FUSEError(errno.ENODATA)
@@ -287,12 +429,14 @@ class LayerFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENODATA)
         return value
 
+    @_guarded
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         if inode == pyfuse3.ROOT_INODE:
             return []
         _, node = self._resolve(inode)
         return [os.fsencode(k) for k in node.xattrs]
 
+    @_guarded
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         # overlayfs refuses a lower layer whose filesystem cannot answer statfs.
         data = pyfuse3.StatvfsData()

@@ -29,3 +29,17 @@ FETCH_ERRORS = Counter("bootseer_fs_fetch_errors", "Block fetches that failed fo
 BACKGROUND_BYTES = Counter(
     "bootseer_fs_background_bytes", "Compressed bytes fetched by the background whole-layer fetch."
 )
+HANDLER_ERRORS = Counter(
+    "bootseer_fs_handler_errors",
+    "FUSE requests that failed with an unexpected error, answered EIO; the layer they concern is broken from then on.",
+    ["op"],
+)
+LAYER_LOAD_ERRORS = Counter(
+    "bootseer_fs_layer_load_errors",
+    "Layer copies that could not be loaded (index or tree refused, files missing); their lookups answer EIO.",
+)
+CACHE_WRITE_ERRORS = Counter(
+    "bootseer_fs_cache_write_errors",
+    "Verified blocks that could not be written to the cache (disk full, I/O error, short write): served from "
+    "memory, not cached.",
+)

@@ -4,12 +4,18 @@ decompress them, write them to the cache, then read.
 
 A block is fetched once however many readers want it: the first starts the
 fetch, the others wait for it.
+
+A block the cache cannot take (disk full, I/O error) is served to its
+readers from memory and left uncached. Only a complete write is recorded,
+and after a failed one every cached block of the layer is checked against
+its crc again before it is served.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import os
 import time
 import zlib
@@ -21,7 +27,7 @@ import structlog
 import trio
 
 from snapshotter.fs import metrics
-from snapshotter.fs.blockindex import BlockIndex, BlockRecord, BlockState
+from snapshotter.fs.blockindex import BlockIndex, BlockIndexError, BlockRecord, BlockState
 from snapshotter.layer.blockmath import InOrderReadAhead, fetch_runs, split_run
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import LayerIndex
@@ -55,6 +61,8 @@ class _Flight:
     done: trio.Event = field(default_factory=trio.Event)
     error: Exception | None = None
     demanded: bool = False  # a reader waited for it
+    # The block's bytes when the cache could not take them: its readers get these.
+    uncached: bytes | None = None
 
 
 class LayerReader:
@@ -79,10 +87,13 @@ class LayerReader:
         self.decoder = BlockDecoder(index)
         records = block_index.cached(cache_key)
         self.cached: set[int] = set(records)
-        # Cached by an earlier server: checked against their crc on first read.
+        # Cached by an earlier server, or before a write to the cache failed:
+        # checked against their crc on first read.
         self.unverified: dict[int, int] = {n: r.crc32 for n, r in records.items()}
         self.inflight: dict[int, _Flight] = {}
         self.fd = os.open(cache_path, os.O_RDWR)
+        # Cleared once the cache file's filesystem refuses RWF_NOWAIT (tmpfs).
+        self.nowait = True
         self.limiters = {
             Origin.READ: fetch_limiter,
             # Read-ahead and hot-block prefetch share the prefetch slots.
@@ -130,19 +141,50 @@ class LayerReader:
         ]
         if ahead:
             trio.lowlevel.spawn_system_task(self._read_ahead, ahead)
-        await self.ensure(numbers)
-        data = await self._pread(start, end)
+        uncached = await self.ensure(numbers)
+        # A write to the cache may have failed while this read waited.
+        if uncached or (self.unverified and not self.unverified.keys().isdisjoint(numbers)):
+            data = await self._gather(start, end, numbers, uncached)
+        else:
+            data = await self._pread(start, end)
         metrics.READ_BYTES.inc(len(data))
         return data
+
+    async def _gather(self, start: int, end: int, numbers: range, uncached: dict[int, bytes]) -> bytes:
+        """A read whose blocks are not all plainly in the cache: those the
+        cache could not take come from memory, those under suspicion are
+        checked first (and fetched again if they lost their bytes)."""
+        pieces = []
+        for n in numbers:
+            block = self.index.blocks[n]
+            lo, hi = max(start, block.ustart), min(end, block.uend)
+            while True:
+                if n in uncached:
+                    pieces.append(uncached[n][lo - block.ustart : hi - block.ustart])
+                    break
+                if n in self.unverified:
+                    self._verify(n)
+                if n in self.cached:
+                    pieces.append(await self._pread(lo, hi))
+                    break
+                uncached.update(await self.ensure([n]))
+        return b"".join(pieces)
 
     async def _pread(self, start: int, end: int) -> bytes:
         """Cached bytes: straight from the page cache when they are there,
         which spares the event loop a thread hop; from disk in a thread."""
         buffer = bytearray(end - start)
-        try:
-            got = os.preadv(self.fd, [buffer], start, os.RWF_NOWAIT)
-        except BlockingIOError:
-            got = 0
+        got = 0
+        if self.nowait:
+            try:
+                got = os.preadv(self.fd, [buffer], start, os.RWF_NOWAIT)
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                if exc.errno != errno.EOPNOTSUPP:
+                    raise
+                self.nowait = False
+                log.info("the layer store refuses RWF_NOWAIT; cached reads go through a thread", layer=self.name)
         if got < len(buffer):
             rest = await trio.to_thread.run_sync(os.pread, self.fd, len(buffer) - got, start + got)
             buffer[got : got + len(rest)] = rest
@@ -183,11 +225,13 @@ class LayerReader:
         else:
             metrics.BLOCK_READS.labels("miss").inc()
 
-    async def ensure(self, numbers: range | list[int], origin: Origin = Origin.READ) -> None:
-        """Return once every block in `numbers` is cached; raise BlockUnavailable
-        if one can't be. A block already on its way is waited for, not fetched again."""
+    async def ensure(self, numbers: range | list[int], origin: Origin = Origin.READ) -> dict[int, bytes]:
+        """Return once every block in `numbers` is cached, with the bytes of
+        those the cache could not take, by number; raise BlockUnavailable if
+        one can't be fetched. A block already on its way is waited for, not
+        fetched again."""
         to_fetch: list[int] = []
-        waits: list[_Flight] = []
+        waits: list[tuple[int, _Flight]] = []
         for n in numbers:
             if n in self.cached:
                 continue
@@ -195,15 +239,19 @@ class LayerReader:
             if flight is None:
                 flight = self.inflight[n] = _Flight(origin=origin)
                 to_fetch.append(n)
-            waits.append(flight)
+            waits.append((n, flight))
         if to_fetch:
             async with trio.open_nursery() as nursery:
                 for run in fetch_runs(to_fetch, self.index.blocks):
                     nursery.start_soon(self._fetch_run, run, origin)
-        for flight in waits:
+        uncached: dict[int, bytes] = {}
+        for n, flight in waits:
             await flight.done.wait()
             if flight.error is not None:
                 raise BlockUnavailable(str(flight.error)) from flight.error
+            if flight.uncached is not None:
+                uncached[n] = flight.uncached
+        return uncached
 
     async def _fetch_run(self, run: list[int], origin: Origin) -> None:
         # Blocks land one by one as they are stored; what is left here when
@@ -231,10 +279,12 @@ class LayerReader:
             for n in remaining:
                 self._land(n, exc)
 
-    def _land(self, number: int, error: Exception | None) -> None:
+    def _land(self, number: int, error: Exception | None, uncached: bytes | None = None) -> None:
         flight = self.inflight.pop(number)
         flight.error = error
-        if error is None and flight.origin == Origin.READAHEAD and not flight.demanded:
+        flight.uncached = uncached
+        cached = error is None and uncached is None
+        if cached and flight.origin == Origin.READAHEAD and not flight.demanded:
             self.readahead_marks.add(number)
         if error is None and flight.origin == Origin.BACKGROUND:
             block = self.index.blocks[number]
@@ -243,7 +293,7 @@ class LayerReader:
             block = self.index.blocks[number]
             metrics.PREFETCHED_BLOCKS.inc()
             metrics.PREFETCHED_BYTES.inc(block.cend - block.cstart)
-            if not flight.demanded:
+            if cached and not flight.demanded:
                 self.unread_prefetched.add(number)
                 metrics.PREFETCH_UNREAD.inc()
         flight.done.set()
@@ -266,14 +316,17 @@ class LayerReader:
 
         async def store(n: int, compressed: bytes) -> None:
             try:
-                await trio.to_thread.run_sync(self._store, n, compressed)
+                uncached = await trio.to_thread.run_sync(self._store, n, compressed)
             except Exception as exc:
                 errors.append(exc)
                 return
             metrics.FETCHED_BLOCKS.inc()
-            self.cached.add(n)
+            if uncached is None:
+                self.cached.add(n)
+            else:
+                self._distrust_cache()
             remaining.remove(n)
-            self._land(n, None)
+            self._land(n, None, uncached)
 
         async with trio.open_nursery() as nursery:
             for n, compressed in split_run(list(remaining), blocks, data).items():
@@ -281,9 +334,27 @@ class LayerReader:
         if errors:
             raise errors[0]
 
-    def _store(self, number: int, compressed: bytes) -> None:
-        """Verify and decompress, write to the cache, then record it with its crc."""
+    def _store(self, number: int, compressed: bytes) -> bytes | None:
+        """Verify and decompress, write to the cache, then record it with its
+        crc. Returns the bytes when the cache could not take them: verified,
+        they can still be served."""
         block = self.index.blocks[number]
         data = self.decoder.decode(number, compressed)
-        os.pwrite(self.fd, data, block.ustart)
-        self.block_index.put(self.cache_key, number, BlockRecord(BlockState.CACHED, zlib.crc32(data)))
+        try:
+            written = os.pwrite(self.fd, data, block.ustart)
+            if written == len(data):
+                self.block_index.put(self.cache_key, number, BlockRecord(BlockState.CACHED, zlib.crc32(data)))
+                return None
+            error = f"short write: {written} of {len(data)} bytes"
+        except (OSError, BlockIndexError) as exc:
+            error = str(exc)
+        metrics.CACHE_WRITE_ERRORS.inc()
+        log.warning("block could not be cached; serving it from memory", layer=self.name, block=number, error=error)
+        return data
+
+    def _distrust_cache(self) -> None:
+        """A failed write can mean the file lost bytes it had taken (a failed
+        writeback, a failing device): every cached block is checked against
+        its recorded crc again before it is served."""
+        records = self.block_index.cached(self.cache_key)
+        self.unverified.update((n, r.crc32) for n, r in records.items() if n in self.cached)

@@ -13,6 +13,6 @@ class ServedLayer(Protocol):
 
     @property
     def current(self) -> bool:
-        """Still the copy the layer store holds (not removed or replaced):
-        work for a stale copy is dropped."""
+        """Still the copy the layer store holds (not removed or replaced)
+        and not broken: work for such a copy is dropped."""
         ...

@@ -4,6 +4,7 @@ fetches. (The registry path is covered end to end in tests/lazy.)"""
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import io
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import prometheus_client
 import pyfuse3
 import pytest
 import trio
@@ -55,6 +57,7 @@ class Mounted:
     store: LayerStore
     blobs: dict[str, Blob]
     thread: threading.Thread
+    ops: LayerFS
 
     def layer(self, digest: str) -> Path:
         return self.mountpoint / digest.split(":")[1]
@@ -76,6 +79,52 @@ def add_layer(store: LayerStore, tmp: Path, blob: bytes, span: int) -> str:
     index = build_index(path, digest, span=span)
     store.add(index, LayerSource(ref="127.0.0.1:1/test/layer", digest=digest), index.encode())
     return digest
+
+
+def metric(name: str, **labels: str) -> float:
+    """The layer server's metric in this process (it runs in a thread here)."""
+    return prometheus_client.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def fill(directory: Path, leave: int = 0) -> Path:
+    """Fill the filesystem of `directory` up, but for `leave` bytes."""
+    filler = directory / "filler"
+    chunk = b"\xff" * (64 << 10)
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    os.truncate(filler, max(filler.stat().st_size - leave, 0))
+    return filler
+
+
+def drop_page_cache() -> None:
+    """Reads after this reach the layer server, and it reads its cache file from disk."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """tmpfs mounts of a given size under tmp_path: a disk that fills up,
+    and a filesystem without RWF_NOWAIT. Request it before mount_layers, so
+    the layer servers using it stop before it is unmounted."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted: list[Path] = []
+
+    def mount(size: int) -> Path:
+        path = tmp_path / f"tmpfs{len(mounted)}"
+        path.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", str(path)], check=True)
 
 
 @pytest.fixture
@@ -118,7 +167,7 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         wait_until(lambda: os.path.ismount(mountpoint), 10, "the FUSE mount")
-        m = Mounted(mountpoint, store, blobs, thread)
+        m = Mounted(mountpoint, store, blobs, thread, ops)
         mounted.append(m)
         return m
 
@@ -128,6 +177,10 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
 
 
 def unmount(m: Mounted) -> None:
-    if os.path.ismount(m.mountpoint):
+    # os.path.ismount cannot tell a mount whose server died (ENOTCONN): it
+    # must go too.
+    with open("/proc/self/mountinfo") as mountinfo:
+        mounted = str(m.mountpoint) in {line.split()[4] for line in mountinfo}
+    if mounted:
         subprocess.run(["fusermount3", "-u", str(m.mountpoint)], check=True)
     m.thread.join(timeout=10)

@@ -3,19 +3,26 @@ fetches, verification, and a cache that outlives the server."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
+import inspect
 import os
 import random
 import stat
+import subprocess
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
+import pyfuse3
 import pytest
 
+from snapshotter.fs.layerfs import LayerFS
 from snapshotter.fs.layers import LayerStore
-from tests.fs.conftest import Blob, Mounted, add_layer, make_layer, unmount
+from snapshotter.layer.index import EntryType, LayerIndex
+from snapshotter.layer.tree import ROOT
+from tests.fs.conftest import Blob, Mounted, add_layer, drop_page_cache, fill, make_layer, metric, unmount
 from tests.harness.procs import wait_until
 
 SPAN = 256 << 10
@@ -118,7 +125,6 @@ def test_read_ahead_stays_within_the_file(mount_layers: Callable[..., Mounted], 
     first, second = rng.randbytes(6 << 20), rng.randbytes(6 << 20)
     blob = make_layer([(info("first", size=len(first)), first), (info("second", size=len(second)), second)])
     from snapshotter.fs.layers import LayerStore
-    from snapshotter.layer.index import LayerIndex
 
     store = LayerStore(tmp_path / "store")
     digest = add_layer(store, tmp_path, blob, SPAN)
@@ -224,3 +230,161 @@ def test_cached_block_lost_before_a_restart_is_fetched_again(
     again = mount_layers({digest: source}, tmp_path / "store")
     assert (again.layer(digest) / "a").read_bytes() == data
     assert source.bytes_fetched > fetched
+
+
+def _listing(directory: Path) -> dict[str, int]:
+    """Names and inode numbers as `ls -a` shows them: "." and ".." included."""
+    out = subprocess.run(["ls", "-1ai", str(directory)], check=True, capture_output=True, text=True).stdout
+    return {name: int(ino) for ino, name in (line.split(maxsplit=1) for line in out.splitlines())}
+
+
+def test_listings_show_dot_and_dotdot(mount_layers: Callable[..., Mounted], tmp_path: Path) -> None:
+    # More entries than one readdir reply holds, in a layer directory and in
+    # the mount root, so listings resume from the offsets they handed out.
+    names = [f"file-{i:03}" for i in range(300)]
+    members: list[tuple[tarfile.TarInfo, bytes | None]] = [(info("sub", tarfile.DIRTYPE, 0o755), None)]
+    members += [(info(f"sub/{name}"), b"") for name in names]
+    store = LayerStore(tmp_path / "store")
+    digest = add_layer(store, tmp_path, make_layer(members), SPAN)
+    others = [add_layer(store, tmp_path, make_layer([(info(f"layer-{i}"), b"")]), SPAN) for i in range(30)]
+    m = mount_layers({d: Blob(b"") for d in [digest, *others]}, tmp_path / "store")
+    layer, sub = m.layer(digest), m.layer(digest) / "sub"
+
+    assert _listing(sub) == {
+        ".": os.stat(sub).st_ino,
+        "..": os.stat(layer).st_ino,
+        **{name: os.stat(sub / name).st_ino for name in names},
+    }
+    assert _listing(layer) == {".": os.stat(layer).st_ino, "..": pyfuse3.ROOT_INODE, "sub": os.stat(sub).st_ino}
+    top = _listing(m.mountpoint)
+    assert top["."] == pyfuse3.ROOT_INODE
+    assert sorted(top) == sorted([".", "..", *(d.split(":")[1] for d in [digest, *others])])
+
+
+def test_every_fuse_operation_is_guarded() -> None:
+    handlers = [
+        name
+        for name, value in vars(LayerFS).items()
+        if name in vars(pyfuse3.Operations) and inspect.iscoroutinefunction(value)
+    ]
+    assert {"lookup", "getattr", "readdir", "read", "forget", "statfs"} <= set(handlers)
+    assert [name for name in handlers if not hasattr(getattr(LayerFS, name), "__wrapped__")] == []
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [{"uid": 2**40}, {"mode": stat.S_IFREG | 2**40}, {"mtime": 1e300}],
+    ids=["uid", "mode", "mtime"],
+)
+def test_a_request_that_fails_breaks_only_its_layer(
+    mount_layers: Callable[..., Mounted], tmp_path: Path, hostile: dict[str, object]
+) -> None:
+    store = LayerStore(tmp_path / "store")
+    good_blob = make_layer([(info("ok", size=5), b"hello")])
+    good = add_layer(store, tmp_path, good_blob, SPAN)
+    bad_blob = make_layer([(info("plain", size=4), b"fine"), (info("evil", size=4), b"evil")])
+    bad = add_layer(store, tmp_path, bad_blob, SPAN)
+    m = mount_layers({good: Blob(good_blob), bad: Blob(bad_blob)}, tmp_path / "store")
+    with open(m.layer(bad) / "plain", "rb", buffering=0) as plain:
+        # Index validation keeps values the kernel cannot take out of the
+        # tree; the guard is for whatever gets past it. Here a node is made
+        # hostile.
+        node = m.ops.layers_by_name[bad.split(":")[1]].tree.lookup(ROOT, b"evil")
+        assert node is not None
+        for key, value in hostile.items():
+            setattr(node, key, value)
+
+        before = metric("bootseer_fs_handler_errors_total", op="lookup")
+        with pytest.raises(OSError) as exc:
+            os.lstat(m.layer(bad) / "evil")
+        assert exc.value.errno == errno.EIO
+        assert metric("bootseer_fs_handler_errors_total", op="lookup") == before + 1
+        # The layer is broken from now on, even for a file opened before; no
+        # further error is counted for it.
+        with pytest.raises(OSError) as exc:
+            plain.read()
+        assert exc.value.errno == errno.EIO
+    assert metric("bootseer_fs_handler_errors_total", op="lookup") == before + 1
+
+    # The mount is up and the other layer serves as before.
+    assert os.path.ismount(m.mountpoint)
+    assert (m.layer(good) / "ok").read_bytes() == b"hello"
+    assert os.listdir(m.mountpoint) == [good.split(":")[1]]
+
+
+def _hardlink_to_nothing(store: LayerStore, name: str) -> None:
+    # The decoder takes it today; no tree can be built from it.
+    path = store.path(name) / "index"
+    index = LayerIndex.decode(path.read_bytes())
+    index.entries = [
+        dataclasses.replace(e, type=EntryType.HARDLINK, linkname="missing") if e.name == "link" else e
+        for e in index.entries
+    ]
+    path.write_bytes(index.encode())
+
+
+def _cache_removed(store: LayerStore, name: str) -> None:
+    store.cache_path(name).unlink()
+
+
+@pytest.mark.parametrize("damage", [_hardlink_to_nothing, _cache_removed], ids=["hardlink-to-nothing", "cache-removed"])
+def test_a_layer_that_cannot_be_loaded_answers_eio(
+    mount_layers: Callable[..., Mounted], tmp_path: Path, damage: Callable[[LayerStore, str], None]
+) -> None:
+    store = LayerStore(tmp_path / "store")
+    good_blob = make_layer([(info("ok", size=5), b"hello")])
+    good = add_layer(store, tmp_path, good_blob, SPAN)
+    bad_blob = make_layer([(info("target", size=1), b"t"), (info("link"), b"")])
+    bad = add_layer(store, tmp_path, bad_blob, SPAN)
+    damage(store, bad.split(":")[1])
+    m = mount_layers({good: Blob(good_blob), bad: Blob(bad_blob)}, tmp_path / "store")
+
+    before = metric("bootseer_fs_layer_load_errors_total")
+    for _ in range(2):
+        with pytest.raises(OSError) as exc:
+            os.stat(m.layer(bad))
+        assert exc.value.errno == errno.EIO
+    # Refused once, then remembered: not loaded again on every lookup.
+    assert metric("bootseer_fs_layer_load_errors_total") == before + 1
+    assert os.listdir(m.mountpoint) == [good.split(":")[1]]
+    assert (m.layer(good) / "ok").read_bytes() == b"hello"
+
+
+def test_a_full_layer_store_loses_nothing(
+    small_tmpfs: Callable[[int], Path], mount_layers: Callable[..., Mounted], tmp_path: Path
+) -> None:
+    disk = small_tmpfs(12 << 20)
+    store_dir = disk / "store"
+    data = random.Random(23).randbytes(8 << 20)
+    blob = make_layer([(info("weights", size=len(data)), data)])
+    digest = add_layer(LayerStore(store_dir), tmp_path, blob, 512 << 10)
+    # tmpfs refuses RWF_NOWAIT: cached reads take the threaded path.
+    with open(LayerStore(store_dir).cache_path(digest.split(":")[1]), "rb") as cache:
+        with pytest.raises(OSError) as exc:
+            os.preadv(cache.fileno(), [bytearray(4096)], 0, os.RWF_NOWAIT)
+        assert exc.value.errno == errno.EOPNOTSUPP
+    source = Blob(blob)
+    m = mount_layers({digest: source}, store_dir)
+    weights = m.layer(digest) / "weights"
+    assert weights.stat().st_size == len(data)
+
+    # Room for a block or two of the eight MiB read.
+    filler = fill(disk, leave=1 << 20)
+    before = metric("bootseer_fs_cache_write_errors_total")
+    assert weights.read_bytes() == data
+    assert metric("bootseer_fs_cache_write_errors_total") > before
+    drop_page_cache()
+    assert weights.read_bytes() == data
+
+    # Space again: what could not be cached is cached now.
+    filler.unlink()
+    drop_page_cache()
+    assert weights.read_bytes() == data
+    drop_page_cache()
+    source.down = True
+    assert weights.read_bytes() == data
+
+    # Every block the index records has its bytes on disk.
+    unmount(m)
+    again = mount_layers({digest: source}, store_dir)
+    assert (again.layer(digest) / "weights").read_bytes() == data

@@ -3,23 +3,34 @@ the hot-block prefetcher."""
 
 from __future__ import annotations
 
+import gzip
+import os
 import random
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import trio
 
 from snapshotter.fs.blockindex import BlockIndex, BlockRecord, BlockState
 from snapshotter.fs.layers import LayerStore
 from snapshotter.fs.reader import LayerReader, Origin
-from tests.fs.conftest import Blob, add_layer, make_layer
+from tests.fs.conftest import Blob, add_layer, fill, make_layer, metric
 
 SPAN = 64 << 10
 
 
-def _reader(tmp_path: Path, source: Blob, blob: bytes) -> LayerReader:
-    store = LayerStore(tmp_path / "store")
-    digest = add_layer(store, tmp_path, blob, SPAN)
+def _reader(
+    tmp_path: Path,
+    source: Blob,
+    blob: bytes,
+    store_dir: Path | None = None,
+    span: int = SPAN,
+    block_index_path: Path | None = None,
+) -> LayerReader:
+    store = LayerStore(store_dir or tmp_path / "store")
+    digest = add_layer(store, tmp_path, blob, span)
     name = digest.split(":")[1]
     index, layer_source = store.load(name)
     return LayerReader(
@@ -27,7 +38,7 @@ def _reader(tmp_path: Path, source: Blob, blob: bytes) -> LayerReader:
         layer_source.cache_key,
         index,
         store.cache_path(name),
-        BlockIndex(store.block_index_path),
+        BlockIndex(block_index_path or store.block_index_path),
         source.fetch,
         trio.CapacityLimiter(4),
         trio.CapacityLimiter(4),
@@ -80,6 +91,82 @@ def test_hot_blocks_do_not_set_off_read_ahead(tmp_path: Path) -> None:
 
     trio.run(main)
     assert _fetched_blocks(reader, source) == set(range(6))
+
+
+def _close(reader: LayerReader) -> None:
+    reader.close()
+    reader.block_index.close()
+
+
+def test_a_store_without_rwf_nowait_is_read_through_a_thread(
+    small_tmpfs: Callable[[int], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blob, _ = _layer()
+    raw = gzip.decompress(blob)
+    reader = _reader(tmp_path, Blob(blob), blob, small_tmpfs(8 << 20) / "store")
+    attempts: list[int] = []
+    preadv = os.preadv
+
+    def counted(fd: int, buffers: list[bytearray], offset: int, flags: int = 0) -> int:
+        attempts.append(flags)
+        return preadv(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(os, "preadv", counted)
+
+    async def main() -> None:
+        for _ in range(3):
+            assert await reader.read(1000, 5000) == raw[1000:5000]
+
+    try:
+        trio.run(main)
+    finally:
+        _close(reader)
+    # tmpfs refuses RWF_NOWAIT; asked once, it is not asked again.
+    assert attempts == [os.RWF_NOWAIT]
+
+
+def test_a_failed_cache_write_serves_from_memory_and_distrusts_the_cache(
+    small_tmpfs: Callable[[int], Path], tmp_path: Path
+) -> None:
+    blob, _ = _layer()
+    raw = gzip.decompress(blob)
+    disk = small_tmpfs(4 << 20)
+    # The block index has room elsewhere: what it records is up to the reader.
+    reader = _reader(tmp_path, Blob(blob), blob, disk / "store", 256 << 10, tmp_path / "blocks.lmdb")
+    blocks = reader.index.blocks
+    assert len(blocks) > 6
+
+    async def read_block(n: int) -> bytes:
+        return await reader.read(blocks[n].ustart, blocks[n].uend)
+
+    async def main() -> None:
+        assert await read_block(3) == raw[blocks[3].ustart : blocks[3].uend]
+        assert 3 in reader.cached
+        # Bytes the cache file took and then lost, unnoticed so far.
+        with open(LayerStore(disk / "store").cache_path(reader.name), "r+b") as cache:
+            cache.seek(blocks[3].ustart)
+            cache.write(b"\0" * (blocks[3].uend - blocks[3].ustart))
+        # Room for part of a block: its write comes up short.
+        filler = fill(disk, leave=64 << 10)
+
+        before = metric("bootseer_fs_cache_write_errors_total")
+        assert await read_block(6) == raw[blocks[6].ustart : blocks[6].uend]
+        assert metric("bootseer_fs_cache_write_errors_total") == before + 1
+        assert 6 not in reader.cached
+        assert 6 not in reader.block_index.cached(reader.cache_key)
+        # After the failed write, block 3 is checked before it is served.
+        assert await read_block(3) == raw[blocks[3].ustart : blocks[3].uend]
+
+        # Space again: blocks are cached as usual.
+        filler.unlink()
+        assert await read_block(1) == raw[blocks[1].ustart : blocks[1].uend]
+        assert 1 in reader.cached
+        assert 1 in reader.block_index.cached(reader.cache_key)
+
+    try:
+        trio.run(main)
+    finally:
+        _close(reader)
 
 
 def test_a_pruned_layer_takes_its_block_records_with_it(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ class LazyNode:
         if check and result.returncode != 0:
             raise RuntimeError(
                 f"bootseer {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
-                f"\n{self.snapshotter.logs()}\n{self.layers.logs()}"
+                f"\n{self.snapshotter.daemon.log_tail()}\n{self.layers.logs()}"
             )
         return result
 
