@@ -20,7 +20,7 @@ from proto.containerd.services.snapshots.v1 import snapshots_pb2 as pb
 from proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc
 from proto.containerd.types import mount_pb2
 from snapshotter import metrics
-from snapshotter.errors import SnapshotError
+from snapshotter.errors import SnapshotError, Unavailable, from_os_error
 from snapshotter.model import Snapshot
 from snapshotter.mounts import Mount
 from snapshotter.snapshots import Snapshotter
@@ -35,19 +35,28 @@ R = TypeVar("R")
 
 @contextmanager
 def _served(name: str, request: Any, context: grpc.ServicerContext) -> Iterator[None]:
-    """Map SnapshotError to its status code; log and count every call."""
+    """Map SnapshotError, and OSError whose errno says what to do, to a status
+    code containerd understands; log and count every call."""
     start = time.perf_counter()
     code = grpc.StatusCode.OK
     try:
         yield
     except SnapshotError as exc:
         code = exc.code
-        log.info("rpc refused", method=name, code=code.name, error=str(exc))
+        # Unavailable is the node's trouble (a daemon down), not the caller's.
+        report = log.warning if isinstance(exc, Unavailable) else log.info
+        report("rpc refused", method=name, code=code.name, error=str(exc))
         context.abort(code, str(exc))
     except Exception as exc:
-        code = grpc.StatusCode.INTERNAL
-        log.exception("rpc failed", method=name)
-        context.abort(code, f"{name} failed: {exc}")
+        known = from_os_error(exc, f"{name} failed") if isinstance(exc, OSError) else None
+        if known is None:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("rpc failed", method=name)
+            context.abort(code, f"{name} failed: {exc}")
+        else:
+            code = known.code
+            log.warning("rpc failed", method=name, code=code.name, error=str(known))
+            context.abort(code, str(known))
     finally:
         metrics.RPCS.labels(name, code.name).inc()
         metrics.RPC_SECONDS.labels(name).observe(time.perf_counter() - start)

@@ -18,9 +18,10 @@ store is consistent and at worst a directory no snapshot owns is left, which
 from __future__ import annotations
 
 import builtins
+import contextlib
+import errno
 import functools
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -31,13 +32,20 @@ import structlog
 
 from snapshotter import filters
 from snapshotter import labels as label_keys
-from snapshotter.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from snapshotter.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    SnapshotError,
+    Unavailable,
+)
 from snapshotter.labels import RemoteLayerLabels
 from snapshotter.model import Kind, Snapshot, validate_key, validate_labels
 from snapshotter.mounts import Mount, snapshot_mounts
 from snapshotter.remote import LazyLayer, RemoteLayers
 from snapshotter.store import MetadataStore, Txn
-from snapshotter.usage import Usage, disk_usage
+from snapshotter.usage import TreeChanged, TreeError, Usage, disk_usage, remove_tree
 
 log = structlog.get_logger("bootseer.snapshotter")
 
@@ -160,15 +168,15 @@ class Snapshotter:
                     )
                     populate(staging, parent_snap)
                     final = self._dir(snap.id)
-                    if final.exists():
-                        # Left by a crash before its transaction committed.
-                        shutil.rmtree(final)
+                    # Left by a crash before its transaction committed.
+                    remove_tree(final)
                     os.rename(staging, final)
                     txn.put(snap)
                     return [] if kind == Kind.COMMITTED else self._mounts(txn, snap)
             finally:
-                if staging.exists():
-                    shutil.rmtree(staging, ignore_errors=True)
+                # What stays is nobody's, and cleanup removes it.
+                with contextlib.suppress(OSError, TreeError):
+                    remove_tree(staging)
 
     def _committed_parent(self, txn: Txn, parent: str) -> Snapshot:
         parent_snap = txn.get(parent)
@@ -188,7 +196,7 @@ class Snapshotter:
         os.chmod(staging / "fs", 0o755)
         if parent is not None:
             # The container's root directory takes its owner from the upper dir.
-            st = os.stat(self.fs_path(parent))
+            st = self._stat_fs(parent)
             os.lchown(staging / "fs", st.st_uid, st.st_gid)
 
     # -- reading ----------------------------------------------------------
@@ -204,9 +212,32 @@ class Snapshotter:
             return self._mounts(txn, snap)
 
     def _mounts(self, txn: Txn, snap: Snapshot) -> list[Mount]:
-        lowers = [str(self.fs_path(p)) for p in txn.ancestors(snap)]
+        ancestors = txn.ancestors(snap)
+        for lower in ancestors:
+            if label_keys.REMOTE in lower.labels:
+                # Or containerd's mount fails with the layer server's bare errno.
+                self._stat_fs(lower)
+        lowers = [str(self.fs_path(p)) for p in ancestors]
         own = self._dir(snap.id)
         return snapshot_mounts(snap.kind, str(own / "fs"), str(own / "work"), lowers, self.overlay_options)
+
+    def _stat_fs(self, snap: Snapshot) -> os.stat_result:
+        """stat a snapshot's files, following the symlink of a layer served
+        lazily into the FUSE layer server's mount; that server being down is
+        said in words, not with the errno its mount gives."""
+        fs = self.fs_path(snap)
+        try:
+            return os.stat(fs)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTCONN, errno.ENOENT) or not fs.is_symlink():
+                raise
+            raise _layer_server_error(snap.key, Path(os.readlink(fs)), exc) from None
+
+    def _measure(self, snap: Snapshot) -> Usage:
+        try:
+            return disk_usage(self.fs_path(snap))
+        except TreeChanged as exc:
+            raise Unavailable(f"snapshot {snap.key!r} changed while it was being measured ({exc}); try again") from None
 
     def stat(self, key: str) -> Snapshot:
         with self.store.read() as txn:
@@ -226,7 +257,7 @@ class Snapshotter:
             return Usage(size=snap.size, inodes=snap.inodes)
         if snap.kind == Kind.VIEW:
             return Usage(size=0, inodes=0)
-        return disk_usage(self.fs_path(snap))
+        return self._measure(snap)
 
     @staticmethod
     def _get(txn: Txn, key: str) -> Snapshot:
@@ -248,7 +279,7 @@ class Snapshotter:
                     f"snapshot {key!r} is a {active.kind.filter_name} snapshot; only active snapshots can be committed"
                 )
             # Measured outside the transaction: nothing writes to it any more.
-            used = disk_usage(self.fs_path(active))
+            used = self._measure(active)
             with self.store.write() as txn:
                 if txn.get(name) is not None:
                     raise AlreadyExists(f"snapshot {name!r} already exists")
@@ -318,23 +349,65 @@ class Snapshotter:
             owned = {str(s.id) for s in snaps}
             removed = []
             for entry in sorted(os.listdir(self.snapshots_dir)):
-                if entry not in owned:
-                    shutil.rmtree(self.snapshots_dir / entry)
-                    removed.append(entry)
+                if entry in owned:
+                    continue
+                # One directory that will not go must not keep the others, or
+                # the layer store below, from being cleaned up.
+                try:
+                    remove_tree(self.snapshots_dir / entry)
+                except (OSError, TreeError) as exc:
+                    log.warning(
+                        "cleanup could not remove a directory no snapshot owns; the next cleanup tries again",
+                        directory=str(self.snapshots_dir / entry),
+                        reason=str(exc),
+                    )
+                    continue
+                removed.append(entry)
             if self.remote is not None:
                 removed += [f"layer {name}" for name in self.remote.prune(snaps)]
             return removed
 
     def _remove_dir(self, path: Path) -> None:
-        # Renamed first so that a removal cut short leaves a directory that is
-        # plainly nobody's, for cleanup to finish.
-        if not path.exists():
-            return
+        """Remove the directory of a snapshot whose record is gone. It is
+        renamed first so that a removal cut short leaves a directory that is
+        plainly nobody's; what cannot be removed now is logged and left for
+        cleanup, and the caller's removal stands: the snapshot is gone."""
         doomed = path.with_name(f"rm-{path.name}")
-        if doomed.exists():
-            shutil.rmtree(doomed)
-        os.rename(path, doomed)
-        shutil.rmtree(doomed)
+        left = path
+        try:
+            os.rename(path, doomed)
+            left = doomed
+            remove_tree(doomed)
+        except FileNotFoundError:
+            return
+        except (OSError, TreeError) as exc:
+            log.warning(
+                "snapshot removed, but not all of its directory; cleanup tries again",
+                directory=str(left),
+                reason=str(exc),
+            )
+
+
+def _layer_server_error(key: str, target: Path, exc: OSError) -> SnapshotError:
+    """What to answer when the files of `key`, a layer served lazily from
+    `target` in the layer server's mount, cannot be reached."""
+    mount = target.parent
+    start = "start bootseer-layer-server (systemctl start bootseer-layer-server) and try again"
+    if exc.errno == errno.ENOTCONN:
+        return Unavailable(
+            f"layer {key!r} is served lazily by the bootseer layer server, which is not running: "
+            f"its mount at {mount} answers ENOTCONN (transport endpoint is not connected); {start}"
+        )
+    if not os.path.ismount(mount):
+        return Unavailable(
+            f"layer {key!r} is served lazily by the bootseer layer server, which is not running: "
+            f"nothing is mounted at {mount}; {start}"
+        )
+    return FailedPrecondition(
+        f"layer {key!r} is served lazily from {target}, but the bootseer layer server mounted at {mount} "
+        "does not show it (does it use the layer store this snapshotter writes to?); "
+        "remove the image and pull it again"
+    )
 
 
 def _field(snap: Snapshot, path: Sequence[str]) -> tuple[str, bool]:

@@ -12,12 +12,15 @@ either the old or the new state on disk, never a mix. Three sub-databases:
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
 
+from snapshotter.errors import FailedPrecondition
 from snapshotter.model import Snapshot
 
 _NEXT_ID = b"next-id"
@@ -86,6 +89,8 @@ def _child_key(parent: str, child: str) -> bytes:
 
 class MetadataStore:
     def __init__(self, path: Path, map_size: int = 1 << 30) -> None:
+        self.path = path
+        self.map_size = map_size
         path.mkdir(parents=True, exist_ok=True)
         # sync/metasync stay on: durability across kill -9 and power loss is the point.
         self._env = lmdb.open(str(path), map_size=map_size, max_dbs=4)
@@ -98,9 +103,20 @@ class MetadataStore:
 
     @contextmanager
     def write(self) -> Iterator[Txn]:
-        """Commits when the block ends normally, aborts when it raises."""
-        with self._env.begin(write=True) as txn:
-            yield Txn(txn, self._dbs)
+        """Commits when the block ends normally, aborts when it raises.
+
+        A full disk is an OSError like any other (so the caller is told what to
+        do about it), and a full map is said in words."""
+        try:
+            with self._env.begin(write=True) as txn:
+                yield Txn(txn, self._dbs)
+        except lmdb.DiskError as exc:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path)) from exc
+        except lmdb.MapFullError as exc:
+            raise FailedPrecondition(
+                f"the metadata store {self.path} has reached its size limit of {self.map_size} bytes; "
+                "remove unused images and containers so that their snapshots go, then try again"
+            ) from exc
 
     def close(self) -> None:
         self._env.close()

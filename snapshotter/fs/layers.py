@@ -28,10 +28,16 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.layer.index import LayerIndex
 
+log = structlog.get_logger("bootseer.fs")
+
 INDEX = "index"
+# Prefix of a layer directory renamed away to be deleted.
+_DOOMED = ".rm-"
 SOURCE = "source.json"
 CACHE = "cache"
 BLOCK_INDEX = "blocks.lmdb"
@@ -132,7 +138,9 @@ class LayerStore:
     def prune(self, keep: set[str], older_than_s: float) -> list[str]:
         """Remove layers whose digest is not in `keep` and that were added
         more than `older_than_s` ago (younger ones may belong to a Prepare in
-        progress), with their block records. Returns the names removed."""
+        progress), with their block records. Returns the names removed. A
+        layer that cannot be removed is logged and left for the next call;
+        the others go on."""
         removed = []
         copies = []
         now = time.time()
@@ -141,12 +149,16 @@ class LayerStore:
             if f"sha256:{name}" in keep or now - directory.stat().st_mtime < older_than_s:
                 continue
             generation = self.generation(name)
-            doomed = directory.with_name(f".rm-{name}-{uuid.uuid4().hex[:8]}")
-            os.rename(directory, doomed)
-            shutil.rmtree(doomed)
+            doomed = directory.with_name(f"{_DOOMED}{name}-{uuid.uuid4().hex[:8]}")
+            try:
+                os.rename(directory, doomed)
+            except OSError as exc:
+                log.warning("could not remove a stored layer", layer=name, error=str(exc))
+                continue
             removed.append(name)
             if generation is not None:
                 copies.append(copy_key(name, generation))
+        self._remove_doomed()
         if copies and self.block_index_path.exists():
             # The layer server may hold the index open too: LMDB serialises
             # writers across processes.
@@ -157,6 +169,15 @@ class LayerStore:
             finally:
                 block_index.close()
         return removed
+
+    def _remove_doomed(self) -> None:
+        """Delete layers renamed away for removal, this call's and any an
+        earlier call or a crash left."""
+        for doomed in self.root.glob(f"{_DOOMED}*"):
+            try:
+                shutil.rmtree(doomed)
+            except OSError as exc:
+                log.warning("could not delete a removed layer's files", path=str(doomed), error=str(exc))
 
     def names(self) -> list[str]:
         if not self.root.is_dir():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import os
 import random
+import subprocess
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -188,3 +189,32 @@ def test_a_pruned_layer_takes_its_block_records_with_it(tmp_path: Path) -> None:
         assert block_index.cached("ab" * 32 + "00") == {0: BlockRecord(BlockState.CACHED, 2)}
     finally:
         block_index.close()
+
+
+@pytest.mark.integration  # a bind mount
+def test_a_layer_that_cannot_be_pruned_does_not_stop_the_others(tmp_path: Path) -> None:
+    blob, _ = _layer()
+    store = LayerStore(tmp_path / "store")
+    first = add_layer(store, tmp_path, blob, SPAN).split(":")[1]
+    other_blob = make_layer([(_info("other", 10), b"0123456789")])
+    second = add_layer(store, tmp_path, other_blob, SPAN).split(":")[1]
+    # A bind mount inside a layer directory makes its removal fail with EBUSY.
+    busy = store.path(first) / "busy"
+    busy.mkdir()
+    subprocess.run(["mount", "--bind", str(tmp_path), str(busy)], check=True)
+    try:
+        assert sorted(store.prune(keep=set(), older_than_s=0)) == sorted([first, second])
+        assert store.names() == []
+        # Renamed away for removal, left until it can go.
+        [doomed] = store.root.glob(".rm-*")
+        busy = doomed / "busy"
+    finally:
+        subprocess.run(["umount", str(busy)], check=True)
+    store.prune(keep=set(), older_than_s=0)
+    assert list(store.root.glob(".rm-*")) == []
+
+
+def _info(name: str, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    return info

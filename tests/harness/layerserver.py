@@ -4,6 +4,7 @@ hosts directory."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -127,12 +128,21 @@ class LayerServer:
         for daemon in self.incarnations:
             daemon.stop()
             daemon.kill_group()
-        if os.path.ismount(self.config.mountpoint):
+        # A killed server's mount answers ENOTCONN, and ismount says False for it.
+        if os.path.ismount(self.config.mountpoint) or _dead_mount(self.config.mountpoint):
             subprocess.run(["fusermount3", "-u", "-z", str(self.config.mountpoint)], check=False)
         leftovers = unmount_under(self.config.workdir)
         if not leftovers:
             shutil.rmtree(self.config.workdir, ignore_errors=True)
         return leftovers
+
+
+def _dead_mount(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ENOTCONN
+    return False
 
 
 def start_layer_server(plain_http_hosts: list[str]) -> LayerServer:

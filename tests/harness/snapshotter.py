@@ -67,6 +67,9 @@ class Snapshotter:
             "debug",
             "--log-format",
             "console",
+            # Without a config of its own, keep its layer store here too: the
+            # defaults are the host's /var/lib/bootseer paths.
+            *(() if "--config" in self.extra_args else self._private_layer_paths()),
             *self.extra_args,
         ]
         number = len(self.incarnations) + 1
@@ -78,6 +81,9 @@ class Snapshotter:
                 ready=lambda: unix_socket_answers(self.address),
             )
         )
+
+    def _private_layer_paths(self) -> tuple[str, ...]:
+        return ("--fs-store", str(self.workdir / "layers"), "--fs-mountpoint", str(self.workdir / "m"))
 
     def stop(self) -> None:
         self.daemon.stop()

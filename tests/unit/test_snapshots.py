@@ -3,15 +3,27 @@ mounts), as containerd's overlayfs snapshotter defines them."""
 
 from __future__ import annotations
 
+import fcntl
+import itertools
 import os
-from collections.abc import Iterator
+import resource
+import struct
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
+from structlog.testing import capture_logs
 
 from snapshotter.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from snapshotter.model import Kind
+from snapshotter.fs.layers import LayerStore
+from snapshotter.model import Kind, Snapshot
+from snapshotter.remote import RemoteLayers
 from snapshotter.snapshots import Snapshotter
+from snapshotter.store import MetadataStore
+from snapshotter.usage import Usage
+from tests.contract.deep_tree import build_deep_tree, remove_deep_tree
 
 
 @pytest.fixture
@@ -19,6 +31,7 @@ def snaps(tmp_path: Path) -> Iterator[Snapshotter]:
     s = Snapshotter(tmp_path / "root")
     yield s
     s.close()
+    remove_deep_tree(tmp_path / "root")
 
 
 def committed_chain(s: Snapshotter, *names: str) -> None:
@@ -172,3 +185,130 @@ def test_stale_directory_of_an_unrecorded_id_is_replaced(snaps: Snapshotter) -> 
     snaps.prepare("a", "", {})
     assert snaps.stat("a").id == 1
     assert list(snaps.fs_path(snaps.stat("a")).iterdir()) == []
+
+
+@contextmanager
+def few_descriptors(spare: int) -> Iterator[None]:
+    """Allow only `spare` file descriptors beyond those open now: a walk that
+    kept one open per level of a deep tree fails with EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1 + spare, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# linux/fs.h: the flags chattr sets, read and written as an int.
+_FS_IOC_GETFLAGS = 0x80086601
+_FS_IOC_SETFLAGS = 0x40086602
+_FS_IMMUTABLE_FL = 0x10
+
+
+def _set_immutable(fd: int, on: bool) -> None:
+    flags = struct.unpack("i", fcntl.ioctl(fd, _FS_IOC_GETFLAGS, struct.pack("i", 0)))[0]
+    flags = flags | _FS_IMMUTABLE_FL if on else flags & ~_FS_IMMUTABLE_FL
+    fcntl.ioctl(fd, _FS_IOC_SETFLAGS, struct.pack("i", flags))
+
+
+@pytest.fixture
+def immutable() -> Iterator[Callable[[Path], None]]:
+    """Make a file immutable (chattr +i): nobody, root included, can unlink
+    it. It stays open, to be made mutable again wherever a rename took it."""
+    marked: list[int] = []
+
+    def mark(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            _set_immutable(fd, True)
+        except OSError as exc:
+            os.close(fd)
+            pytest.skip(f"cannot make files immutable here: {exc}")
+        marked.append(fd)
+
+    yield mark
+    for fd in marked:
+        _set_immutable(fd, False)
+        os.close(fd)
+
+
+def test_deep_tree_is_measured_committed_and_removed(snaps: Snapshotter) -> None:
+    snaps.prepare("a", "", {})
+    counted = build_deep_tree(snaps.fs_path(snaps.stat("a")))
+    want = Usage(size=counted.size, inodes=counted.inodes)
+    with few_descriptors(spare=40):
+        assert snaps.usage("a") == want
+        snaps.commit("c", "a", {})
+        assert snaps.usage("c") == want
+        snaps.remove("c")
+    assert os.listdir(snaps.snapshots_dir) == []
+
+
+def test_remove_stands_when_its_directory_cannot_go(snaps: Snapshotter, immutable: Callable[[Path], None]) -> None:
+    snaps.prepare("a", "", {})
+    fs = snaps.fs_path(snaps.stat("a"))
+    build_deep_tree(fs)
+    (fs / "pinned").write_text("cannot be unlinked\n")
+    immutable(fs / "pinned")
+    with capture_logs() as logs:
+        snaps.remove("a")
+    with pytest.raises(NotFound):
+        snaps.stat("a")
+    doomed = fs.parent.with_name(f"rm-{fs.parent.name}")
+    # Everything else went, the deep tree included.
+    assert os.listdir(doomed) == ["fs"] and os.listdir(doomed / "fs") == ["pinned"]
+    [warning] = [e for e in logs if e["log_level"] == "warning"]
+    assert "Operation not permitted" in warning["reason"] and "pinned" in warning["reason"]
+
+
+def _no_registry() -> NoReturn:
+    raise AssertionError("cleanup must not talk to a registry")
+
+
+@pytest.fixture
+def lazy_snaps(tmp_path: Path) -> Iterator[Snapshotter]:
+    """A snapshotter with a layer store to prune (and no registry to reach)."""
+    s = Snapshotter(tmp_path / "root", RemoteLayers(LayerStore(tmp_path / "layers"), tmp_path / "m", _no_registry, 0))
+    yield s
+    s.close()
+    remove_deep_tree(tmp_path / "root")
+
+
+def test_cleanup_goes_on_past_a_directory_it_cannot_remove(
+    lazy_snaps: Snapshotter, immutable: Callable[[Path], None]
+) -> None:
+    snaps = lazy_snaps
+    stuck = snaps.snapshots_dir / "rm-7"
+    (stuck / "fs").mkdir(parents=True)
+    (stuck / "fs" / "pinned").write_text("cannot be unlinked\n")
+    immutable(stuck / "fs" / "pinned")
+    # Orphans sorted before and after it, one of them too deep for a recursive walk.
+    (snaps.snapshots_dir / "99" / "fs").mkdir(parents=True)
+    (snaps.snapshots_dir / "rm-8" / "fs").mkdir(parents=True)
+    build_deep_tree(snaps.snapshots_dir / "rm-8" / "fs")
+    assert snaps.remote is not None
+    unused = snaps.remote.store.path("ab" * 32)
+    unused.mkdir(parents=True)
+    (unused / "index").write_bytes(b"")
+
+    with capture_logs() as logs:
+        assert snaps.cleanup() == ["99", "rm-8", f"layer {unused.name}"]
+    assert sorted(os.listdir(snaps.snapshots_dir)) == ["rm-7"]
+    assert not unused.exists()
+    [warning] = [e for e in logs if e["log_level"] == "warning"]
+    assert warning["directory"] == str(stuck)
+    assert "Operation not permitted" in warning["reason"]
+    # Later calls do not fail on it either.
+    assert snaps.cleanup() == []
+
+
+def test_full_metadata_store_says_so(tmp_path: Path) -> None:
+    store = MetadataStore(tmp_path / "metadata.lmdb", map_size=64 * 1024)
+    try:
+        with pytest.raises(FailedPrecondition, match="size limit of 65536 bytes; remove unused images"):
+            for n in itertools.count(1):
+                with store.write() as txn:
+                    txn.put(Snapshot(key=f"k{n}", id=n, kind=Kind.COMMITTED, labels={"l": "v" * 1000}))
+    finally:
+        store.close()
