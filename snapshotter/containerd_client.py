@@ -84,9 +84,7 @@ class ContainerdClient:
         """A lease for the duration of a `with` block; it also expires on its
         own (containerd.io/gc.expire) if this process dies first."""
         expire = (datetime.now(UTC) + LEASE_EXPIRY).strftime("%Y-%m-%dT%H:%M:%SZ")
-        response = self.leases.Create(
-            leases_pb2.CreateRequest(labels={GC_EXPIRE: expire}), metadata=self.metadata()
-        )
+        response = self.leases.Create(leases_pb2.CreateRequest(labels={GC_EXPIRE: expire}), metadata=self.metadata())
         try:
             yield response.lease.id
         finally:
@@ -205,7 +203,6 @@ class ContainerdClient:
         return self.diff.Apply(request, metadata=self.metadata(lease)).applied
 
     # -- images ---------------------------------------------------------------
-
 
     def put_image(self, name: str, target: Blob, labels: Mapping[str, str] | None = None) -> None:
         """Create the image record, or point an existing one at `target`."""
