@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from snapshotter.layer.artifact import index_blobs
 from snapshotter.layer.build import UnsupportedLayer, build_index
-from snapshotter.layer.index import ARTIFACT_TYPE, DEFAULT_SPAN, LAYER_ANNOTATION, MEDIA_TYPE
+from snapshotter.layer.index import ARTIFACT_TYPE, DEFAULT_SPAN, LAYER_ANNOTATION, MEDIA_TYPE, LayerIndex
 from snapshotter.registry import artifact, media
 from snapshotter.registry.client import RegistryClient
 from snapshotter.registry.media import Descriptor
@@ -95,7 +95,20 @@ def _index_layer(client: RegistryClient, ref: Reference, layer: Descriptor, span
             disable=not show_progress,
             leave=False,
         ) as bar:
-            index = build_index(blob, layer.digest, span=span, progress=_advance(bar))
+            try:
+                index = build_index(blob, layer.digest, span=span, progress=_advance(bar))
+                encoded = index.encode()
+                # Exactly what the snapshotter will decode: never push an
+                # index it refuses.
+                LayerIndex.decode(encoded)
+            except UnsupportedLayer:
+                raise
+            except Exception as exc:
+                # Whatever this layer holds that the builder cannot take (a
+                # corrupt gzip stream, a value out of range) is this layer's
+                # problem, not the image's: the other layers are indexed.
+                log.warning("could not index a layer", layer=layer.digest, exc_info=exc)
+                raise UnsupportedLayer(f"its index could not be built: {exc!r}") from exc
     log.info(
         "layer indexed",
         layer=layer.digest,
@@ -103,7 +116,7 @@ def _index_layer(client: RegistryClient, ref: Reference, layer: Descriptor, span
         entries=len(index.entries),
         uncompressed=index.uncompressed_size,
     )
-    return index.encode()
+    return encoded
 
 
 def _advance(bar: tqdm[Any]) -> Callable[[int], None]:

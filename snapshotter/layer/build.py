@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,9 @@ import indexed_gzip
 
 from snapshotter.layer.index import (
     DEFAULT_SPAN,
+    MAX_BLOCK_BYTES,
+    MAX_MTIME,
+    XATTR_NAMESPACES,
     Block,
     Compression,
     Entry,
@@ -22,6 +26,7 @@ from snapshotter.layer.index import (
     LayerIndex,
     normalize_name,
 )
+from snapshotter.layer.tree import build_tree
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _XATTR_PREFIX = "SCHILY.xattr."
@@ -48,6 +53,8 @@ def build_index(
     span: int = DEFAULT_SPAN,
     progress: Callable[[int], None] | None = None,
 ) -> LayerIndex:
+    if not 0 < span <= MAX_BLOCK_BYTES:
+        raise UnsupportedLayer(f"a span of {span} bytes is not between 1 and {MAX_BLOCK_BYTES}")
     compressed_size = blob.stat().st_size
     with open(blob, "rb") as f:
         magic = f.read(2)
@@ -83,7 +90,14 @@ def build_index(
         entries=entries,
         checkpoints=checkpoints,
     )
-    index.validate()
+    # What the snapshotter and the layer server will refuse (or what
+    # containerd's applier fails on) is refused here, so that the layer takes
+    # the normal path instead of being served from an index nobody can use.
+    try:
+        index.validate()
+        build_tree(index.entries)
+    except IndexFormatError as exc:
+        raise UnsupportedLayer(str(exc)) from None
     return index
 
 
@@ -138,22 +152,44 @@ def _entry(member: tarfile.TarInfo) -> Entry:
         linkname = normalize_name(member.linkname) if etype == EntryType.HARDLINK else member.linkname
     except IndexFormatError as exc:
         raise UnsupportedLayer(str(exc)) from None
-    xattrs = {
-        key[len(_XATTR_PREFIX) :]: value.encode("utf-8", "surrogateescape")
-        for key, value in member.pax_headers.items()
-        if key.startswith(_XATTR_PREFIX)
-    }
+    device = etype in (EntryType.CHAR, EntryType.BLOCK)
     return Entry(
         name=name,
         type=etype,
         mode=member.mode & 0o7777,
         uid=member.uid,
         gid=member.gid,
-        mtime=float(member.mtime),
+        mtime=_bound_time(float(member.mtime)),
         size=member.size if etype == EntryType.REG else 0,
         offset=member.offset_data if etype == EntryType.REG else 0,
-        linkname=linkname,
-        devmajor=member.devmajor,
-        devminor=member.devminor,
-        xattrs=xattrs,
+        linkname=linkname if etype in (EntryType.SYMLINK, EntryType.HARDLINK) else "",
+        devmajor=member.devmajor if device else 0,
+        devminor=member.devminor if device else 0,
+        xattrs=_xattrs(member, etype),
     )
+
+
+def _bound_time(mtime: float) -> float:
+    """containerd's applier stamps a time it cannot set (before the epoch,
+    or past 2262) as the epoch (boundTime); NaN and infinity, which Go's tar
+    reader does not even parse, are left for validation to refuse."""
+    if math.isfinite(mtime) and not 0 <= mtime <= MAX_MTIME:
+        return 0.0
+    return mtime
+
+
+def _xattrs(member: tarfile.TarInfo, etype: EntryType) -> dict[str, bytes]:
+    """The xattrs containerd's applier sets: it does not set trusted.*, the
+    kernel refuses names outside the known namespaces and user.* on anything
+    but files and directories, and containerd goes on without them."""
+    xattrs = {}
+    for key, value in member.pax_headers.items():
+        if not key.startswith(_XATTR_PREFIX):
+            continue
+        name = key[len(_XATTR_PREFIX) :]
+        if not name.startswith(XATTR_NAMESPACES):
+            continue
+        if name.startswith("user.") and etype not in (EntryType.REG, EntryType.DIR):
+            continue
+        xattrs[name] = value.encode("utf-8", "surrogateescape")
+    return xattrs

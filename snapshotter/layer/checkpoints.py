@@ -23,6 +23,12 @@ from dataclasses import dataclass
 MAGIC = b"GZIDX"
 _HEADER = struct.Struct("<5sBBQQIII")
 _POINT = struct.Struct("<QQBB")
+# A checkpoint per block of the largest layer index (a 1 TiB layer in 1 MiB
+# spans) and one at the end: a header may claim billions, each costing memory
+# before the data runs out.
+MAX_POINTS = (1 << 20) + 1
+# Deflate looks back at most 32 KiB, and zran keeps exactly that.
+MAX_WINDOW = 32 << 10
 
 # Order in which a dynamic block lists its code-length code lengths (RFC 1951 3.2.7).
 _CLEN_ORDER = (16, 17, 18, 0, 8, 7, 9, 6, 10, 5, 11, 4, 12, 3, 13, 2, 14, 1, 15)
@@ -47,6 +53,8 @@ def parse(data: bytes) -> list[Checkpoint]:
         raise CheckpointFormatError("checkpoint data is truncated") from None
     if magic != MAGIC or version != 1:
         raise CheckpointFormatError(f"checkpoint data is not a GZIDX v1 index ({magic!r}, version {version})")
+    if npoints > MAX_POINTS or window_size > MAX_WINDOW:
+        raise CheckpointFormatError(f"{npoints} checkpoints of {window_size}-byte windows is more than an index holds")
     offset = _HEADER.size
     heads = []
     for _ in range(npoints):

@@ -17,7 +17,9 @@ changing it:
 Encoding: MAGIC, then one zstd frame holding a 4-byte big-endian length, a
 JSON document of that length, and the raw checkpoint index. docs/layer-index.md
 documents the fields. Decoding validates every invariant the server relies on,
-so a malformed index is refused rather than served from.
+and every value it hands the kernel, so a malformed or hostile index is
+refused rather than served from. `bootseer index` runs the same validation on
+what it builds.
 """
 
 from __future__ import annotations
@@ -27,14 +29,17 @@ import bisect
 import enum
 import functools
 import json
-import posixpath
+import math
+import operator
+import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import zstandard
 
-from snapshotter.layer.checkpoints import Checkpoint, CheckpointFormatError
+from snapshotter.layer.checkpoints import MAX_POINTS, Checkpoint, CheckpointFormatError
 from snapshotter.layer.checkpoints import parse as parse_checkpoints
 
 FORMAT_VERSION = 1
@@ -44,8 +49,63 @@ ARTIFACT_TYPE = "application/vnd.bootseer.layer-index.v1"
 # The annotation on each index blob naming the layer blob it describes.
 LAYER_ANNOTATION = "dev.bootseer.layer.digest"
 DEFAULT_SPAN = 4 << 20
-# A decoded index larger than this is refused: it can only be hostile.
+
+# Bounds on what an index may hold. Each keeps a value the kernel (through
+# FUSE) cannot take, or work and memory the layer server cannot afford, from
+# getting past decoding; no layer containerd can apply comes near one.
+#
+# A decoded index larger than this is refused: it can only be hostile. The
+# checkpoints' 32 KiB windows make most of a large layer's index.
 MAX_DECODED = 1 << 30
+# The JSON document is parsed whole into Python objects, several times its size.
+MAX_DOCUMENT_BYTES = 256 << 20
+# The layer store keeps a sparse cache file of the uncompressed size, which
+# must fit one file on ext4 (16 TiB); no image layer comes near 1 TiB.
+MAX_LAYER_BYTES = 1 << 40
+# A block is fetched and decoded in memory, several at once. Honest blocks are
+# the span (4 MiB by default) plus at most one deflate block, a few MiB from
+# zlib's or Go's encoder.
+MAX_BLOCK_BYTES = 128 << 20
+# A 1 TiB layer in 1 MiB spans; a gzip layer has a checkpoint per block and
+# one at the end.
+MAX_BLOCKS = MAX_POINTS - 1
+# The snapshotter and the layer server hold every entry (and the layer server
+# its tree node) in memory, about a kilobyte in all: a million is a gigabyte.
+MAX_ENTRIES = 1_000_000
+# uid_t and gid_t are 32 bits, and (uid_t)-1 means "no change" to chown(2),
+# so it names no owner.
+MAX_ID = 2**32 - 2
+# Permission bits with setuid, setgid and sticky; the file type comes from
+# the entry's type.
+MODE_BITS = 0o7777
+# Linux's dev_t (and the 32-bit rdev FUSE hands the kernel) holds 12 bits of
+# major and 20 of minor; mknod(2) in containerd's applier keeps only those.
+MAX_DEV_MAJOR = (1 << 12) - 1
+MAX_DEV_MINOR = (1 << 20) - 1
+# Seconds since the epoch: the layer server gives the kernel nanoseconds in a
+# signed 64-bit integer, and containerd's applier puts a time outside
+# [0, 2**63 ns] at the epoch (boundTime), which `bootseer index` does too.
+MAX_MTIME = (2**63 - 1) // 10**9
+# NAME_MAX and PATH_MAX (which counts the terminating NUL): containerd applies
+# a layer through absolute paths, so a longer name or path fails there too.
+MAX_NAME_BYTES = 255
+MAX_PATH_BYTES = 4095
+# Components in a path, and directories a path may lead through after its
+# symlinks are followed; deeper than any real image, and it bounds the work of
+# resolving one path.
+MAX_DEPTH = 1024
+# symlink(2) refuses a longer target.
+MAX_LINK_BYTES = 4095
+# XATTR_NAME_MAX, XATTR_SIZE_MAX and XATTR_LIST_MAX: the kernel refuses
+# longer xattr names and values, and a listxattr(2) answer over 64 KiB.
+MAX_XATTR_NAME_BYTES = 255
+MAX_XATTR_VALUE_BYTES = 65536
+MAX_XATTR_LIST_BYTES = 65536
+# The xattr namespaces an image may set. containerd's applier does not set
+# trusted.* from a layer, and overlayfs reads trusted.overlay.* on its lower
+# layers as instructions (redirects, metacopy), so an index may not carry
+# them; the layer server adds trusted.overlay.opaque from opaque markers itself.
+XATTR_NAMESPACES = ("user.", "security.", "system.")
 
 
 class IndexFormatError(ValueError):
@@ -67,7 +127,9 @@ class EntryType(enum.StrEnum):
     FIFO = "fifo"
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass's __init__ costs four times as much, and
+# decoding makes tens of thousands of entries for every layer of every pull.
+@dataclass(slots=True)
 class Entry:
     name: str  # normalised: relative, no "." or ".." parts, "" is the root
     type: EntryType
@@ -143,8 +205,10 @@ class LayerIndex:
         try:
             payload = zstandard.ZstdDecompressor().decompress(data[len(MAGIC) :], max_output_size=MAX_DECODED)
             (length,) = struct.unpack(">I", payload[:4])
+            if length > min(MAX_DOCUMENT_BYTES, len(payload) - 4):
+                raise ValueError(f"the document claims {length} bytes")
             doc = json.loads(payload[4 : 4 + length])
-        except (zstandard.ZstdError, struct.error, ValueError) as exc:
+        except (zstandard.ZstdError, struct.error, ValueError, RecursionError) as exc:
             raise IndexFormatError(f"layer index is corrupt: {exc}") from None
         if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION:
             raise IndexFormatError(
@@ -152,14 +216,19 @@ class LayerIndex:
                 f"is not supported (this bootseer reads version {FORMAT_VERSION})"
             )
         try:
+            rows, block_rows = doc["entries"], doc["blocks"]
+            if not isinstance(rows, list) or len(rows) > MAX_ENTRIES:
+                raise ValueError(f"entries must be a list of at most {MAX_ENTRIES}")
+            if not isinstance(block_rows, list) or len(block_rows) > MAX_BLOCKS:
+                raise ValueError(f"blocks must be a list of at most {MAX_BLOCKS}")
             index = cls(
-                layer_digest=str(doc["layer_digest"]),
+                layer_digest=_typed(doc["layer_digest"], str),
                 compression=Compression(doc["compression"]),
-                compressed_size=int(doc["compressed_size"]),
-                uncompressed_size=int(doc["uncompressed_size"]),
-                span=int(doc["span"]),
-                blocks=[Block(int(a), int(b), int(c), int(d), str(e)) for a, b, c, d, e in doc["blocks"]],
-                entries=[_row_entry(row) for row in doc["entries"]],
+                compressed_size=_typed(doc["compressed_size"], int),
+                uncompressed_size=_typed(doc["uncompressed_size"], int),
+                span=_typed(doc["span"], int),
+                blocks=[_row_block(row) for row in block_rows],
+                entries=_row_entries(rows),
                 checkpoints=payload[4 + length :],
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -168,18 +237,36 @@ class LayerIndex:
         return index
 
     def validate(self) -> None:
-        """Refuse anything that would make the server read out of bounds or
-        serve bytes from the wrong place."""
-        if not self.layer_digest.startswith("sha256:") or len(self.layer_digest) != 71:
-            raise IndexFormatError(f"bad layer digest {self.layer_digest!r}")
+        """Refuse anything that would make the server read out of bounds,
+        serve bytes from the wrong place, or hand the kernel a value it
+        cannot take. The tree's own refusals (tree.build_tree) come on top."""
+        self._validate_blocks()
+        _validate_entries(self.entries, self.uncompressed_size)
+
+    def _validate_blocks(self) -> None:
+        d = self.layer_digest
+        if not (isinstance(d, str) and d.startswith("sha256:") and len(d) == 71 and set(d[7:]) <= _HEX):
+            raise IndexFormatError(f"bad layer digest {d!r}")
+        for what, value in (("compressed", self.compressed_size), ("uncompressed", self.uncompressed_size)):
+            if not (type(value) is int and 0 <= value <= MAX_LAYER_BYTES):
+                raise IndexFormatError(f"{what} size {value!r} is not between 0 and {MAX_LAYER_BYTES}")
+        if not (type(self.span) is int and 0 < self.span <= MAX_BLOCK_BYTES):
+            raise IndexFormatError(f"span {self.span!r} is not between 1 and {MAX_BLOCK_BYTES}")
+        if len(self.blocks) > MAX_BLOCKS:
+            raise IndexFormatError(f"{len(self.blocks)} blocks, more than {MAX_BLOCKS}")
         expected_u = 0
         for n, b in enumerate(self.blocks):
             if b.ustart != expected_u or b.uend <= b.ustart:
                 raise IndexFormatError(f"block {n} does not continue the uncompressed stream")
             if not 0 <= b.cstart < b.cend <= self.compressed_size:
                 raise IndexFormatError(f"block {n} lies outside the compressed blob")
-            if len(b.digest) != 64 or any(c not in "0123456789abcdef" for c in b.digest):
+            if b.uend - b.ustart > MAX_BLOCK_BYTES or b.cend - b.cstart > MAX_BLOCK_BYTES:
+                raise IndexFormatError(f"block {n} is larger than {MAX_BLOCK_BYTES} bytes")
+            if len(b.digest) != 64 or not set(b.digest) <= _HEX:
                 raise IndexFormatError(f"block {n} has a malformed digest")
+            if self.compression != Compression.GZIP and (b.cstart, b.cend) != (b.ustart, b.uend):
+                # A plain block is served as fetched.
+                raise IndexFormatError(f"block {n} of an uncompressed layer is not where it lies in the blob")
             expected_u = b.uend
         if expected_u != self.uncompressed_size:
             raise IndexFormatError("blocks do not cover the uncompressed stream")
@@ -190,27 +277,207 @@ class LayerIndex:
                 raise IndexFormatError(f"gzip layer index: {exc}") from None
             if any(b.ustart not in points for b in self.blocks):
                 raise IndexFormatError("a block does not start at a gzip checkpoint")
-        for e in self.entries:
-            if not _is_normalized(e.name):
-                if ".." in e.name.split("/"):
-                    raise IndexFormatError(f"entry {e.name!r} climbs out of the layer root")
-                raise IndexFormatError(f"entry name {e.name!r} is not normalised")
-            if e.size < 0 or e.offset < 0 or e.offset + e.size > self.uncompressed_size:
-                raise IndexFormatError(f"entry {e.name!r} has data outside the layer")
 
 
 def normalize_name(name: str) -> str:
     """A tar member name as a relative path; raises on escapes from the root."""
-    path = posixpath.normpath("/" + name.replace("\x00", ""))
+    if "\x00" in name:
+        raise IndexFormatError(f"entry {name!r} has a NUL byte in its name")
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise IndexFormatError(f"entry {name!r} climbs out of the layer root")
-    return path.lstrip("/")
+    return "/".join(parts)
+
+
+def encode_name(name: str) -> bytes:
+    """A name or link target as the kernel sees it: tar names that are not
+    UTF-8 reach here with their bytes escaped (surrogateescape)."""
+    return name.encode("utf-8", "surrogateescape")
+
+
+_HEX = frozenset("0123456789abcdef")
+_ENTRY_TYPES = {t.value: t for t in EntryType}
+_TYPE = operator.attrgetter("type")
+_NAME = operator.attrgetter("name")
+_LINKNAME = operator.attrgetter("linkname")
+_OFFSET = operator.attrgetter("offset")
+_SIZE = operator.attrgetter("size")
+_MTIME = operator.attrgetter("mtime")
+_INT_FIELDS = {
+    "mode": (0, MODE_BITS),
+    "uid": (0, MAX_ID),
+    "gid": (0, MAX_ID),
+    "size": (0, MAX_LAYER_BYTES),
+    "offset": (0, MAX_LAYER_BYTES),
+    "devmajor": (0, MAX_DEV_MAJOR),
+    "devminor": (0, MAX_DEV_MINOR),
+}
+# In "/" + "/".join(names) + "/" (the root, the one empty name, left out),
+# what only a name that is not normalised can produce: an empty, "." or ".."
+# part, or a leading or trailing "/". One regex starting with a literal is
+# one fast pass; a character class or several substring searches are not.
+_NOT_NORMALISED = re.compile(r"//|/\.\.?/")
+
+
+def _typed(value: Any, kind: type[Any]) -> Any:
+    # bool is an int to Python but never a size in an index.
+    if type(value) is not kind:
+        raise TypeError(f"{value!r} is not {kind.__name__}")
+    return value
+
+
+def _row_block(row: list[Any]) -> Block:
+    cstart, cend, ustart, uend, digest = row
+    return Block(_typed(cstart, int), _typed(cend, int), _typed(ustart, int), _typed(uend, int), _typed(digest, str))
+
+
+def _row_entries(rows: list[list[Any]]) -> list[Entry]:
+    # One comprehension, no call per row: this is most of the time a pull
+    # spends on an index. Types are checked by _validate_entries, in bulk.
+    types, xattrs = _ENTRY_TYPES, _decode_xattrs
+    return [
+        Entry(name, types[etype], mode, uid, gid, mtime, size, offset, link, major, minor, xattrs(xa) if xa else {})
+        for name, etype, mode, uid, gid, mtime, size, offset, link, major, minor, xa in rows
+    ]
+
+
+def _decode_xattrs(xattrs: dict[str, str]) -> dict[str, bytes]:
+    return {k: base64.b64decode(v, validate=True) for k, v in xattrs.items()}
+
+
+def _validate_entries(entries: list[Entry], uncompressed_size: int) -> None:
+    """Every entry's values in range, checked a column at a time with
+    builtins (min, max, set, str.join): a pull decodes every layer's index,
+    and a Python loop over tens of thousands of entries per check would cost
+    more than the decoding itself. A check that fails then looks for the
+    entry to name."""
+    if len(entries) > MAX_ENTRIES:
+        raise IndexFormatError(f"{len(entries)} entries, more than {MAX_ENTRIES}")
+    if not entries:
+        return
+    if not set(map(type, map(_TYPE, entries))) <= {EntryType}:
+        _refuse(entries, lambda e: type(e.type) is not EntryType, "has no valid type")
+    for attr, (low, high) in _INT_FIELDS.items():
+        _validate_int_column(entries, attr, low, high)
+    if max(map(operator.add, map(_OFFSET, entries), map(_SIZE, entries))) > uncompressed_size:
+        _refuse(entries, lambda e: e.offset + e.size > uncompressed_size, "has data outside the layer")
+    mtimes = list(map(_MTIME, entries))
+    # NaN compares false with everything: either min or max returns it, or
+    # isnan finds it among values already known to be in range.
+    if (
+        not set(map(type, mtimes)) <= {int, float}
+        or not (min(mtimes) >= 0 and max(mtimes) <= MAX_MTIME)
+        or any(map(math.isnan, mtimes))
+    ):
+        _refuse(entries, lambda e: not _mtime_ok(e.mtime), f"has an mtime outside [0, {MAX_MTIME}]")
+    _validate_names(entries)
+    for e in entries:
+        if e.type is EntryType.HARDLINK:
+            if not _is_normalized(e.linkname):
+                raise IndexFormatError(f"hardlink {e.name!r} -> {e.linkname!r}: the target is not normalised")
+            _check_path(e.linkname, f"hardlink {e.name!r} -> {e.linkname!r}")
+        elif e.type is EntryType.SYMLINK and not e.linkname:
+            # symlink(2) refuses an empty target.
+            raise IndexFormatError(f"symlink {e.name!r} has an empty target")
+        if e.xattrs:
+            _validate_xattrs(e)
+
+
+def _validate_int_column(entries: list[Entry], attr: str, low: int, high: int) -> None:
+    get = operator.attrgetter(attr)
+    column = list(map(get, entries))
+    if set(map(type, column)) != {int} or min(column) < low or max(column) > high:
+        _refuse(entries, lambda e: not (type(get(e)) is int and low <= get(e) <= high), f"has {attr} out of range")
+
+
+def _validate_names(entries: list[Entry]) -> None:
+    names = list(map(_NAME, entries))
+    links = list(map(_LINKNAME, entries))
+    if set(map(type, names)) != {str} or set(map(type, links)) != {str}:
+        _refuse(entries, lambda e: type(e.name) is not str or type(e.linkname) is not str, "has a name not a string")
+    named = list(filter(None, names))
+    joined = "/" + "/".join(named) + "/" if named else ""
+    if "\x00" in joined:
+        _refuse(entries, lambda e: "\x00" in e.name, "has a NUL byte in its name")
+    if _NOT_NORMALISED.search(joined):
+        _refuse(entries, lambda e: not _is_normalized(e.name), "is not normalised (or climbs out of the layer root)")
+    links_joined = "".join(links)
+    if "\x00" in links_joined:
+        _refuse(entries, lambda e: "\x00" in e.linkname, "has a NUL byte in its link target")
+    if not _encodable(joined):
+        _refuse(entries, lambda e: not _encodable(e.name), "has a name that is neither UTF-8 nor escaped bytes")
+    if not _encodable(links_joined):
+        _refuse(entries, lambda e: not _encodable(e.linkname), "has a link target neither UTF-8 nor escaped bytes")
+    # A name of at most MAX_NAME_BYTES characters, each one byte, is within
+    # every bound on paths; only longer or non-ASCII names need their bytes
+    # counted.
+    if not joined.isascii() or max(map(len, names)) > MAX_NAME_BYTES:
+        for e in entries:
+            if len(e.name) > MAX_NAME_BYTES or not e.name.isascii():
+                _check_path(e.name, f"entry {e.name!r}")
+    if not links_joined.isascii() or max(map(len, links)) > MAX_LINK_BYTES:
+        for e in entries:
+            if len(encode_name(e.linkname)) > MAX_LINK_BYTES:
+                raise IndexFormatError(f"entry {e.name!r} has a link target longer than {MAX_LINK_BYTES} bytes")
+
+
+def _check_path(name: str, what: str) -> None:
+    data = encode_name(name)
+    if len(data) > MAX_PATH_BYTES:
+        raise IndexFormatError(f"{what}: the path is longer than {MAX_PATH_BYTES} bytes")
+    parts = data.split(b"/")
+    if len(parts) > MAX_DEPTH:
+        raise IndexFormatError(f"{what}: the path is deeper than {MAX_DEPTH} levels")
+    if max(map(len, parts)) > MAX_NAME_BYTES:
+        raise IndexFormatError(f"{what}: a part of the path is longer than {MAX_NAME_BYTES} bytes")
+
+
+def _validate_xattrs(e: Entry) -> None:
+    if type(e.xattrs) is not dict:
+        raise IndexFormatError(f"entry {e.name!r} has malformed xattrs")
+    listed = 0
+    for key, value in e.xattrs.items():
+        if not (type(key) is str and type(value) is bytes and "\x00" not in key and _encodable(key)):
+            raise IndexFormatError(f"entry {e.name!r} has a malformed xattr {key!r}")
+        if not key.startswith(XATTR_NAMESPACES) or key in XATTR_NAMESPACES:
+            raise IndexFormatError(f"entry {e.name!r} has xattr {key!r}, outside the namespaces an image may set")
+        size = len(encode_name(key))
+        if size > MAX_XATTR_NAME_BYTES:
+            raise IndexFormatError(f"entry {e.name!r} has an xattr name longer than {MAX_XATTR_NAME_BYTES} bytes")
+        if len(value) > MAX_XATTR_VALUE_BYTES:
+            raise IndexFormatError(f"entry {e.name!r} has xattr {key!r} larger than {MAX_XATTR_VALUE_BYTES} bytes")
+        listed += size + 1
+    if listed > MAX_XATTR_LIST_BYTES:
+        raise IndexFormatError(f"entry {e.name!r} has xattr names longer than {MAX_XATTR_LIST_BYTES} bytes in all")
+
+
+def _refuse(entries: list[Entry], bad: Callable[[Entry], bool], what: str) -> NoReturn:
+    for e in entries:
+        try:
+            found = bad(e)
+        except (TypeError, ValueError, OverflowError):
+            found = True
+        if found:
+            raise IndexFormatError(f"entry {e.name!r} {what}")
+    # The bulk check and the one per entry agree; should they not, the
+    # refusal stands without a name.
+    raise IndexFormatError(f"an entry {what}")
+
+
+def _mtime_ok(mtime: object) -> bool:
+    return isinstance(mtime, int | float) and type(mtime) is not bool and 0 <= mtime <= MAX_MTIME
+
+
+def _encodable(text: str) -> bool:
+    try:
+        encode_name(text)
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_normalized(name: str) -> bool:
-    """normalize_name(name) == name, without building paths (indexes hold
-    tens of thousands of names)."""
+    """normalize_name(name) == name, without building paths."""
     if name == "":
         return True
     if name.startswith("/") or name.endswith("/") or "//" in name or "\x00" in name:
@@ -235,28 +502,3 @@ def _entry_row(e: Entry) -> list[object]:
         e.devminor,
         xattrs,
     ]
-
-
-_ENTRY_TYPES = {t.value: t for t in EntryType}
-
-
-def _row_entry(row: list[Any]) -> Entry:
-    name, etype, mode, uid, gid, mtime, size, offset, linkname, major, minor, xattrs = row
-    if {type(mode), type(uid), type(gid), type(size), type(offset), type(major), type(minor)} != {int} or (
-        etype not in _ENTRY_TYPES
-    ):
-        raise ValueError(f"malformed entry row {row!r}")
-    return Entry(
-        str(name),
-        _ENTRY_TYPES[etype],
-        mode,
-        uid,
-        gid,
-        float(mtime),
-        size,
-        offset,
-        str(linkname),
-        major,
-        minor,
-        {str(k): base64.b64decode(v) for k, v in xattrs.items()} if xattrs else {},
-    )

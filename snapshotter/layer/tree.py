@@ -1,27 +1,67 @@
 """The directory tree a layer's table of contents describes, as containerd's
-overlayfs applier would lay it down in a snapshot directory.
+applier lays it down in a snapshot directory.
 
-Tar semantics within one layer: a later entry replaces an earlier one of the
-same path (a directory over a directory only updates its attributes);
-missing parent directories appear with mode 0755 owned by root. Overlay
-semantics for the layers below: `.wh.NAME` becomes a 0/0 character device
-NAME, and `.wh..wh..opq` marks its directory opaque
-(trusted.overlay.opaque=y).
+containerd applies a layer onto the snapshot's own directory (overlayfs'
+upperdir, or a bind mount for the bottom layer), never through the mounted
+overlay, so one layer's tree is all it sees (core/diff/apply/apply_linux.go,
+pkg/archive/tar.go), and all this builder needs:
+
+- a later entry replaces an earlier one of the same path (a directory over a
+  directory only updates its attributes);
+- an entry's parent path is resolved as continuity's fs.RootPath does:
+  symlinks in it are followed within the layer (an absolute target starts
+  again at the layer root, `..` never climbs above it), so `esc -> /tmp/x`
+  then `esc/pwned` puts `pwned` in `tmp/x`; missing directories appear with
+  mode 0755 owned by root (mkparent; containerd copies a lower layer's
+  directory attributes instead when it has one, which one layer cannot know);
+- a hardlink links to a path in this layer (hardlinkRootPath), never to a
+  lower layer's file;
+- `.wh.NAME` becomes a 0/0 character device NAME and `.wh..wh..opq` marks its
+  directory opaque (trusted.overlay.opaque=y), as overlayfs expects.
+
+Where containerd's applier fails, so that the layer would not unpack at all,
+the builder refuses the layer with IndexFormatError: a hardlink to a path
+this layer does not hold (a lower layer's file, or nothing), to a directory
+or to itself; a parent path through a non-directory or through more than 255
+symlinks; a whiteout naming no file. So it does for paths that resolve deeper
+than MAX_DEPTH and layers costing more than the bounds below. `bootseer
+index` then leaves the layer unindexed, and a layer server given such an
+index anyway cannot load it: either way the layer takes the normal path,
+where it fails as it always would. Nothing else escapes: no recursion, and
+every value was range-checked by LayerIndex.validate, which the entries must
+have passed.
 """
 
 from __future__ import annotations
 
 import os
-import posixpath
 import stat
 from dataclasses import dataclass, field
 
-from snapshotter.layer.index import Entry, EntryType, IndexFormatError
+from snapshotter.layer.index import (
+    MAX_DEPTH,
+    MAX_ENTRIES,
+    MAX_XATTR_LIST_BYTES,
+    Entry,
+    EntryType,
+    IndexFormatError,
+    encode_name,
+)
 
 ROOT = 1
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
 OPAQUE_XATTR = "trusted.overlay.opaque"
+
+# continuity's RootPath gives up ("too many links") after 255 symlinks.
+MAX_SYMLINKS = 255
+# Live nodes of one layer: its entries plus the missing parents they imply.
+MAX_NODES = 2 * MAX_ENTRIES
+# Path components walked (and symlink target parts expanded) outside the
+# cache of resolved parents. An honest layer walks each directory once or
+# twice; a hostile one could make every entry walk MAX_DEPTH levels through
+# MAX_SYMLINKS links, and the layer server loads one layer at a time.
+MAX_STEPS = 8 * MAX_ENTRIES
 
 _FORMAT = {
     EntryType.REG: stat.S_IFREG,
@@ -58,121 +98,210 @@ class LayerTree:
     nodes: dict[int, Node]
 
     def lookup(self, parent: int, name: bytes) -> Node | None:
-        children = self.nodes[parent].children
+        node = self.nodes.get(parent)
+        children = node.children if node is not None else None
         ino = children.get(name) if children is not None else None
         return self.nodes[ino] if ino is not None else None
 
 
-def _encode(name: str) -> bytes:
-    return name.encode("utf-8", "surrogateescape")
-
-
 def build_tree(entries: list[Entry]) -> LayerTree:
-    nodes: dict[int, Node] = {ROOT: Node(ROOT, stat.S_IFDIR | 0o755, 0, 0, 0.0, children={})}
-    next_ino = ROOT + 1
+    """The tree of a validated index's entries; IndexFormatError if
+    containerd could not apply them (see the module's docstring)."""
+    builder = _Builder()
+    for entry in entries:
+        builder.add(entry)
+    return builder.finish()
 
-    def new_ino() -> int:
-        nonlocal next_ino
-        next_ino += 1
-        return next_ino - 1
 
-    # Directories by path: tens of thousands of entries share a few parents.
-    dirs: dict[str, Node] = {"": nodes[ROOT]}
+class _Builder:
+    def __init__(self) -> None:
+        self.root = Node(ROOT, stat.S_IFDIR | 0o755, 0, 0, 0.0, children={})
+        self.nodes: dict[int, Node] = {ROOT: self.root}
+        self.next_ino = ROOT + 1
+        self.steps = 0
+        # Directories by parent path as entries write it: tens of thousands of
+        # entries share a few parents. Emptied whenever a directory or symlink
+        # goes, since paths through it then lead elsewhere.
+        self.dirs: dict[str, Node] = {"": self.root}
 
-    def resolve_dir(path: str) -> Node:
-        """The directory at `path`, creating missing parents as containerd does."""
-        node = dirs.get(path)
-        if node is not None:
-            return node
-        parent_path, base = posixpath.split(path)
-        parent = resolve_dir(parent_path)
-        assert parent.children is not None
-        name = _encode(base)
-        child_ino = parent.children.get(name)
-        if child_ino is None:
-            node = Node(new_ino(), stat.S_IFDIR | 0o755, 0, 0, 0.0, children={})
-            nodes[node.ino] = node
-            parent.children[name] = node.ino
-        else:
-            node = nodes[child_ino]
-            if not node.is_dir:
-                raise IndexFormatError(f"{path!r} passes through a non-directory in the layer")
-        dirs[path] = node
+    def add(self, entry: Entry) -> None:
+        if entry.name == "":
+            root = self.root
+            root.mode, root.uid, root.gid, root.mtime = stat.S_IFDIR | entry.mode, entry.uid, entry.gid, entry.mtime
+            _merge_xattrs(root, entry.xattrs, entry.name)
+            return
+        dirname, _, basename = entry.name.rpartition("/")
+        parent = self.directory(dirname, create=True, what=entry.name)
+        if basename == OPAQUE_MARKER:
+            _merge_xattrs(parent, {OPAQUE_XATTR: b"y"}, entry.name)
+            return
+        if basename.startswith(WHITEOUT_PREFIX):
+            hidden = basename[len(WHITEOUT_PREFIX) :]
+            if hidden in ("", ".", ".."):
+                raise IndexFormatError(f"whiteout {entry.name!r} names no file (containerd refuses it too)")
+            # containerd's overlay applier fails on a whiteout of a path this
+            # layer already holds (mknod: EEXIST), its bottom-layer applier
+            # removes the path: what shows is the same, so it is replaced.
+            self.place(parent, encode_name(hidden), self.new_node(stat.S_IFCHR, entry.uid, entry.gid, entry.mtime))
+            return
+        name = encode_name(basename)
+        existing = _children(parent).get(name)
+        if entry.type == EntryType.HARDLINK:
+            self.link(parent, name, entry)
+            return
+        if entry.type == EntryType.DIR and existing is not None and self.nodes[existing].is_dir:
+            node = self.nodes[existing]
+            node.mode, node.uid, node.gid, node.mtime = stat.S_IFDIR | entry.mode, entry.uid, entry.gid, entry.mtime
+            _merge_xattrs(node, entry.xattrs, entry.name)
+            return
+        # Linux gives symlinks no mode of their own: they show 0777, whatever
+        # the tar header says (containerd's lchmod leaves them alone).
+        mode = 0o777 if entry.type == EntryType.SYMLINK else entry.mode
+        node = self.new_node(_FORMAT[entry.type] | mode, entry.uid, entry.gid, entry.mtime)
+        node.xattrs = dict(entry.xattrs)
+        if entry.type == EntryType.REG:
+            node.size, node.offset = entry.size, entry.offset
+        elif entry.type == EntryType.SYMLINK:
+            node.target = encode_name(entry.linkname)
+            node.size = len(node.target)
+        elif entry.type in (EntryType.CHAR, EntryType.BLOCK):
+            node.rdev = os.makedev(entry.devmajor, entry.devminor)
+        elif entry.type == EntryType.DIR:
+            node.children = {}
+        self.place(parent, name, node)
+
+    def link(self, parent: Node, name: bytes, entry: Entry) -> None:
+        # As containerd: the link's path is removed first, then linked to
+        # the target as the layer holds it then.
+        self.unlink(parent, name)
+        target_dir, _, target_base = entry.linkname.rpartition("/")
+        what = f"hardlink {entry.name!r} -> {entry.linkname!r}"
+        found = _children(self.directory(target_dir, create=False, what=what)).get(encode_name(target_base))
+        if found is None:
+            raise IndexFormatError(f"{what} has no file to link to in this layer, the only one containerd links within")
+        target = self.nodes[found]
+        if target.is_dir:
+            raise IndexFormatError(f"{what}: a directory cannot be hardlinked")
+        # containerd chowns, chmods, stamps and sets the xattrs of the link's
+        # path, which is the shared inode: the link entry's metadata wins.
+        if not stat.S_ISLNK(target.mode):
+            target.mode = stat.S_IFMT(target.mode) | entry.mode
+        target.uid, target.gid, target.mtime = entry.uid, entry.gid, entry.mtime
+        _merge_xattrs(target, entry.xattrs, entry.name)
+        _children(parent)[name] = target.ino
+        target.nlink += 1
+
+    def directory(self, path: str, create: bool, what: str) -> Node:
+        """The directory `path` leads to, its symlinks followed within the
+        layer; missing directories are made if `create` (an entry's parent),
+        and otherwise refused (a hardlink's target)."""
+        cached = self.dirs.get(path)
+        if cached is not None:
+            return cached
+        chain = [self.root]  # the directories walked, for ".."
+        pending = encode_name(path).split(b"/")[::-1] if path else []
+        links = 0
+        while pending:
+            self.spend()
+            part = pending.pop()
+            here = chain[-1]
+            ino = _children(here).get(part)
+            if ino is None:
+                if not create:
+                    raise IndexFormatError(f"{what} has no file to link to: {path!r} is not a directory of this layer")
+                child = self.new_node(stat.S_IFDIR | 0o755, 0, 0, 0.0)
+                child.children = {}
+                _children(here)[part] = child.ino
+            else:
+                child = self.nodes[ino]
+                if stat.S_ISLNK(child.mode):
+                    links += 1
+                    if links > MAX_SYMLINKS:
+                        raise IndexFormatError(f"{what}: {path!r} leads through more than {MAX_SYMLINKS} symlinks")
+                    pending.extend(reversed(self.expand(child.target, chain)))
+                    continue
+                if not child.is_dir:
+                    raise IndexFormatError(f"{what}: {path!r} passes through a non-directory")
+            chain.append(child)
+            if len(chain) > MAX_DEPTH:
+                raise IndexFormatError(f"{what}: {path!r} leads deeper than {MAX_DEPTH} levels")
+        self.dirs[path] = chain[-1]
+        return chain[-1]
+
+    def expand(self, target: bytes, chain: list[Node]) -> list[bytes]:
+        """A symlink's target as the parts left to walk from `chain`, which
+        it moves to where the target starts. Like filepath.Join in RootPath,
+        `..` is taken lexically: in the target first, then against the
+        directories walked, never above the root."""
+        if target.startswith(b"/"):
+            del chain[1:]
+        parts: list[bytes] = []
+        for part in target.split(b"/"):
+            self.spend()
+            if part in (b"", b"."):
+                continue
+            if part != b"..":
+                parts.append(part)
+            elif parts:
+                parts.pop()
+            elif len(chain) > 1:
+                chain.pop()
+        return parts
+
+    def spend(self) -> None:
+        self.steps += 1
+        if self.steps > MAX_STEPS:
+            raise IndexFormatError(f"the layer's paths take more than {MAX_STEPS} steps to resolve")
+
+    def new_node(self, mode: int, uid: int, gid: int, mtime: float) -> Node:
+        if len(self.nodes) >= MAX_NODES:
+            raise IndexFormatError(f"the layer makes more than {MAX_NODES} files and directories")
+        node = Node(self.next_ino, mode, uid, gid, mtime)
+        self.next_ino += 1
+        self.nodes[node.ino] = node
         return node
 
-    def unlink(parent: Node, name: bytes) -> None:
-        assert parent.children is not None
-        ino = parent.children.pop(name, None)
-        if ino is not None:
-            nodes[ino].nlink -= 1
-            if nodes[ino].is_dir:
-                # Paths through the removed directory now lead elsewhere.
-                dirs.clear()
-                dirs[""] = nodes[ROOT]
+    def place(self, parent: Node, name: bytes, node: Node) -> None:
+        self.unlink(parent, name)
+        _children(parent)[name] = node.ino
 
-    for entry in entries:
-        if entry.name == "":
-            root = nodes[ROOT]
-            root.mode, root.uid, root.gid, root.mtime = stat.S_IFDIR | entry.mode, entry.uid, entry.gid, entry.mtime
-            root.xattrs.update(entry.xattrs)
-            continue
-        dirname, basename = posixpath.split(entry.name)
-        parent = resolve_dir(dirname)
-        assert parent.children is not None
-        if basename == OPAQUE_MARKER:
-            parent.xattrs[OPAQUE_XATTR] = b"y"
-            continue
-        if basename.startswith(WHITEOUT_PREFIX):
-            name = _encode(basename[len(WHITEOUT_PREFIX) :])
-            unlink(parent, name)
-            node = Node(new_ino(), stat.S_IFCHR, entry.uid, entry.gid, entry.mtime)
-            nodes[node.ino] = node
-            parent.children[name] = node.ino
-            continue
-        name = _encode(basename)
-        existing = parent.children.get(name)
-        if entry.type == EntryType.HARDLINK:
-            target_dir, target_base = posixpath.split(entry.linkname)
-            target_children = resolve_dir(target_dir).children or {}
-            target_ino = target_children.get(_encode(target_base))
-            if target_ino is None or nodes[target_ino].is_dir:
-                raise IndexFormatError(f"hardlink {entry.name!r} -> {entry.linkname!r} has no file to link to")
-            # containerd's applier chowns, chmods and stamps the link path,
-            # which is the shared inode: the link entry's metadata wins.
-            target = nodes[target_ino]
-            target.mode = stat.S_IFMT(target.mode) | entry.mode
-            target.uid, target.gid, target.mtime = entry.uid, entry.gid, entry.mtime
-            if existing == target_ino:
+    def unlink(self, parent: Node, name: bytes) -> None:
+        """Remove `name` from `parent`: a node goes with its last name, a
+        directory with everything under it that has no other name."""
+        ino = _children(parent).pop(name, None)
+        if ino is None:
+            return
+        gone = self.nodes[ino]
+        if gone.is_dir or stat.S_ISLNK(gone.mode):
+            self.dirs = {"": self.root}
+        stack = [gone]
+        while stack:
+            node = stack.pop()
+            node.nlink -= 1
+            if node.nlink > 0:
                 continue
-            unlink(parent, name)
-            parent.children[name] = target_ino
-            target.nlink += 1
-            continue
-        if entry.type == EntryType.DIR and existing is not None and nodes[existing].is_dir:
-            node = nodes[existing]
-            node.mode, node.uid, node.gid, node.mtime = stat.S_IFDIR | entry.mode, entry.uid, entry.gid, entry.mtime
-            node.xattrs = {**node.xattrs, **entry.xattrs}
-            continue
-        if existing is not None:
-            unlink(parent, name)
-        node = Node(
-            ino=new_ino(),
-            mode=_FORMAT[entry.type] | entry.mode,
-            uid=entry.uid,
-            gid=entry.gid,
-            mtime=entry.mtime,
-            size=entry.size,
-            offset=entry.offset,
-            target=_encode(entry.linkname) if entry.type == EntryType.SYMLINK else b"",
-            rdev=(os.makedev(entry.devmajor, entry.devminor) if entry.type in (EntryType.CHAR, EntryType.BLOCK) else 0),
-            xattrs=dict(entry.xattrs),
-            children={} if entry.type == EntryType.DIR else None,
-        )
-        if entry.type == EntryType.SYMLINK:
-            node.size = len(node.target)
-        nodes[node.ino] = node
-        parent.children[name] = node.ino
-    for node in nodes.values():
-        if node.is_dir and node.children is not None:
-            node.nlink = 2 + sum(1 for c in node.children.values() if nodes[c].is_dir)
-    return LayerTree(nodes)
+            del self.nodes[node.ino]
+            if node.children:
+                stack.extend(self.nodes[c] for c in node.children.values())
+
+    def finish(self) -> LayerTree:
+        for node in self.nodes.values():
+            if node.children is not None:
+                node.nlink = 2 + sum(1 for c in node.children.values() if self.nodes[c].children is not None)
+        return LayerTree(self.nodes)
+
+
+def _merge_xattrs(node: Node, xattrs: dict[str, bytes], what: str) -> None:
+    """Entries of one path add up their xattrs; the sum is bounded as each
+    entry's is (listxattr(2) answers at most XATTR_LIST_MAX bytes)."""
+    if not xattrs:
+        return
+    node.xattrs.update(xattrs)
+    if sum(len(encode_name(k)) + 1 for k in node.xattrs) > MAX_XATTR_LIST_BYTES:
+        raise IndexFormatError(f"{what!r}: its xattr names add up to more than {MAX_XATTR_LIST_BYTES} bytes")
+
+
+def _children(node: Node) -> dict[bytes, int]:
+    """A directory's children; only directories are ever asked for theirs."""
+    assert node.children is not None
+    return node.children

@@ -125,6 +125,9 @@ def test_names_are_normalised_and_escapes_refused() -> None:
     assert normalize_name("./") == ""
     with pytest.raises(IndexFormatError, match="climbs out"):
         normalize_name("a/../../etc/shadow")
+    # tar stops a name at NUL, a PAX record need not: no name of two readings.
+    with pytest.raises(IndexFormatError, match="NUL"):
+        normalize_name("etc/passwd\x00.txt")
 
 
 def test_builder_refuses_path_traversal_and_non_tar(tmp_path: Path) -> None:
