@@ -15,6 +15,7 @@ from typing import Any
 
 from depsnap.settings import DepsnapConfig
 from hdfs_fuse.settings import HdfsFuseConfig
+from snapshotter.cri.settings import CriConfig
 from snapshotter.fs.settings import FsConfig
 from snapshotter.registry.settings import RegistryConfig
 from snapshotter.settings import SnapshotterConfig
@@ -40,6 +41,7 @@ class Config:
     snapshotter: SnapshotterConfig = field(default_factory=SnapshotterConfig)
     fs: FsConfig = field(default_factory=FsConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    cri: CriConfig = field(default_factory=CriConfig)
     hdfs_fuse: HdfsFuseConfig = field(default_factory=HdfsFuseConfig)
     depsnap: DepsnapConfig = field(default_factory=DepsnapConfig)
 

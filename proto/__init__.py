@@ -1,1 +1,2 @@
-"""containerd API definitions (.proto sources) and their generated Python stubs (`make proto`)."""
+"""API definitions as .proto sources (containerd's services and types, the CRI
+subset kubelet speaks) and their generated Python stubs (`make proto`)."""

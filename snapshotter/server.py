@@ -1,4 +1,6 @@
-"""The snapshotter daemon: the gRPC service on a unix socket, metrics, signals."""
+"""The snapshotter daemon: the gRPC service on a unix socket, metrics,
+signals; and, with `[cri] address` set, the CRI image-service proxy
+(snapshotter.cri) on its own socket."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import prometheus_client
 import structlog
 
 from proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc
+from snapshotter.cri.settings import CriConfig
 from snapshotter.fs.layers import LayerStore
 from snapshotter.fs.settings import FsConfig
 from snapshotter.registry.settings import RegistryConfig
@@ -23,6 +26,7 @@ from snapshotter.settings import SnapshotterConfig
 from snapshotter.snapshots import Snapshotter
 
 if TYPE_CHECKING:
+    from snapshotter.cri.proxy import CriProxy
     from snapshotter.registry.client import RegistryClient
 
 log = structlog.get_logger("bootseer.snapshotter")
@@ -60,7 +64,19 @@ def _remote_layers(config: SnapshotterConfig, fs: FsConfig, registry: RegistryCo
     return RemoteLayers(LayerStore(fs.store), fs.mountpoint, client, fs.layer_gc_grace_s)
 
 
-def serve(config: SnapshotterConfig, fs: FsConfig, registry: RegistryConfig) -> None:
+def _cri_proxy(cri: CriConfig, registry: RegistryConfig) -> CriProxy | None:
+    if not cri.address:
+        return None
+    from snapshotter.cri.credentials import CriCredentialStore
+    from snapshotter.cri.proxy import CriProxy, registry_accepts
+
+    if not registry.cri_credentials:
+        log.warning("cri proxy without [registry] cri_credentials: pull secrets are forwarded but not kept")
+    store = CriCredentialStore(Path(registry.cri_credentials)) if registry.cri_credentials else None
+    return CriProxy(Path(cri.address), cri.containerd_address, store, registry_accepts(registry))
+
+
+def serve(config: SnapshotterConfig, fs: FsConfig, registry: RegistryConfig, cri: CriConfig | None = None) -> None:
     """Serve until SIGTERM or SIGINT."""
     snapshotter = Snapshotter(config.root, _remote_layers(config, fs, registry))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS))
@@ -69,6 +85,9 @@ def serve(config: SnapshotterConfig, fs: FsConfig, registry: RegistryConfig) -> 
     server.add_insecure_port(f"unix://{config.address.resolve()}")
     server.start()
     os.chmod(config.address, 0o660)
+    proxy = _cri_proxy(cri or CriConfig(), registry)
+    if proxy is not None:
+        proxy.start()
     if config.metrics_address:
         _bind_metrics(config.metrics_address)
 
@@ -86,8 +105,11 @@ def serve(config: SnapshotterConfig, fs: FsConfig, registry: RegistryConfig) -> 
         root=str(config.root),
         lazy=config.lazy,
         metrics=config.metrics_address or None,
+        cri=(cri.address if cri else "") or None,
     )
     stopping.wait()
+    if proxy is not None:
+        proxy.stop()
     server.stop(SHUTDOWN_GRACE_S).wait()
     snapshotter.close()
     config.address.unlink(missing_ok=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bootseer.options import CommandError, add_common_arguments, load_config, override
-from snapshotter.layer.index import DEFAULT_SPAN
+from bootseer.options import EXIT_USAGE, CommandError, add_common_arguments, load_config, override
+from snapshotter.layer.index import DEFAULT_SPAN, MAX_BLOCK_BYTES
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -16,7 +16,9 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     override(cfg.snapshotter, args, root="root", address="address", metrics_address="metrics_address", lazy="lazy")
     override(cfg.fs, args, store="fs_store", mountpoint="fs_mountpoint")
-    serve(cfg.snapshotter, cfg.fs, cfg.registry)
+    override(cfg.cri, args, address="cri_address", containerd_address="cri_containerd_address")
+    override(cfg.registry, args, cri_credentials="cri_credentials")
+    serve(cfg.snapshotter, cfg.fs, cfg.registry, cfg.cri)
     return 0
 
 
@@ -25,6 +27,7 @@ def _run_layer_server(args: argparse.Namespace) -> int:
 
     cfg = load_config(args)
     override(cfg.fs, args, store="store", mountpoint="mountpoint", metrics_address="metrics_address")
+    override(cfg.registry, args, cri_credentials="cri_credentials")
     try:
         serve(cfg.fs, cfg.registry)
     except MountpointBusy as exc:
@@ -40,6 +43,8 @@ def _run_index(args: argparse.Namespace) -> int:
     from snapshotter.registry.reference import parse as parse_reference
 
     cfg = load_config(args)
+    if not 0 < args.span <= MAX_BLOCK_BYTES:
+        raise CommandError(f"--span must be between 1 and {MAX_BLOCK_BYTES} bytes", EXIT_USAGE)
     client = client_from_config(cfg.registry, plain_http=args.plain_http)
     try:
         report = index_image(client, parse_reference(args.image), args.platform, args.span, not args.quiet)
@@ -59,13 +64,23 @@ def _run_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_cri_credentials(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cri-credentials",
+        help="the file of registry credentials captured from kubelet's PullImage calls "
+        "([registry] cri_credentials); empty: not used",
+    )
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "snapshotter",
         help="serve the containerd proxy snapshotter",
         description=(
             "Serve containerd's snapshots API on a unix socket. Register it in containerd's "
-            'config.toml as [proxy_plugins.bootseer] type = "snapshot" address = SOCKET.'
+            'config.toml as [proxy_plugins.bootseer] type = "snapshot" address = SOCKET. '
+            "With --cri-address (or [cri] address), also serve the CRI image-service proxy that "
+            "kubelet's --image-service-endpoint points at; see docs/kubernetes.md."
         ),
     )
     add_common_arguments(parser)
@@ -81,6 +96,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--fs-mountpoint", type=Path, help="the layer server's mount")
     parser.add_argument("--address", type=Path, help="unix socket to serve on")
     parser.add_argument("--metrics-address", help="host:port to serve Prometheus metrics on; empty: off")
+    parser.add_argument(
+        "--cri-address",
+        help="unix socket for the CRI image-service proxy (kubelet's --image-service-endpoint); empty: off",
+    )
+    parser.add_argument(
+        "--cri-containerd-address", type=Path, help="containerd's socket, where the proxy forwards CRI image calls"
+    )
+    _add_cri_credentials(parser)
     parser.set_defaults(func=_run)
 
     layers = sub.add_parser(
@@ -96,6 +119,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     layers.add_argument("--store", type=Path, help="layer store directory")
     layers.add_argument("--mountpoint", type=Path, help="where to mount")
     layers.add_argument("--metrics-address", help="host:port for Prometheus metrics; empty: off")
+    _add_cri_credentials(layers)
     layers.set_defaults(func=_run_layer_server)
 
     index = sub.add_parser(
@@ -115,7 +139,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--span",
         type=int,
         default=DEFAULT_SPAN,
-        help="uncompressed bytes per block, the unit of lazy fetching (default 4 MiB)",
+        help="uncompressed bytes per block, the unit of lazy fetching (default 4 MiB, at most 128 MiB)",
     )
     index.add_argument("--quiet", action="store_true", help="no progress bars")
     index.set_defaults(func=_run_index)

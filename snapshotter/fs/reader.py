@@ -5,6 +5,15 @@ decompress them, write them to the cache, then read.
 A block is fetched once however many readers want it: the first starts the
 fetch, the others wait for it.
 
+A read waits on the registry until its deadline (`[fs] fetch_deadline_s`
+after it began), then gets EIO, whatever retries the fetch is in: the
+fetch's thread is told the same deadline and stops by it on its own, and
+the event loop stops waiting for it then in any case. The blocks it was for
+land with the error, for every reader waiting on them; a later read fetches
+them again. A prefetch, which may queue long for a fetch slot, tells its
+fetch the same span from when it has one and waits for the thread: a reader
+that needs the block meanwhile still waits no longer than its own deadline.
+
 A block the cache cannot take (disk full, I/O error) is served to its
 readers from memory and left uncached. Only a complete write is recorded,
 and after a failed one every cached block of the layer is checked against
@@ -16,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import math
 import os
 import time
 import zlib
@@ -28,14 +38,28 @@ import trio
 
 from snapshotter.fs import metrics
 from snapshotter.fs.blockindex import BlockIndex, BlockIndexError, BlockRecord, BlockState
+from snapshotter.fs.settings import FETCH_DEADLINE_S
 from snapshotter.layer.blockmath import InOrderReadAhead, fetch_runs, split_run
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import LayerIndex
 
 log = structlog.get_logger("bootseer.fs")
 
-# Fetch (start, end) of the layer blob: returns exactly end - start bytes.
-RangeFetcher = Callable[[int, int], bytes]
+
+@dataclass(frozen=True)
+class BoundedFetcher:
+    """Fetches [start, end) of a layer blob by a deadline it is given (a
+    time.monotonic() value): exactly end - start bytes, or an exception, by
+    then. `deadline_s`: how long after a read began that deadline falls."""
+
+    fetch: Callable[[int, int, float], bytes]
+    deadline_s: float = FETCH_DEADLINE_S
+
+
+# What fetches a layer's blocks. A plain (start, end) fetch cannot be told a
+# deadline: readers stop waiting for it after FETCH_DEADLINE_S all the same,
+# but its thread runs on.
+RangeFetcher = Callable[[int, int], bytes] | BoundedFetcher
 
 # A verification failure is retried this many times before readers get EIO.
 VERIFY_ATTEMPTS = 2
@@ -83,7 +107,10 @@ class LayerReader:
         self.cache_key = cache_key
         self.index = index
         self.block_index = block_index
-        self.fetch = fetch
+        if isinstance(fetch, BoundedFetcher):
+            self.fetcher = fetch
+        else:
+            self.fetcher = BoundedFetcher(lambda start, end, _deadline: fetch(start, end))
         self.decoder = BlockDecoder(index)
         records = block_index.cached(cache_key)
         self.cached: set[int] = set(records)
@@ -141,16 +168,21 @@ class LayerReader:
         ]
         if ahead:
             trio.lowlevel.spawn_system_task(self._read_ahead, ahead)
-        uncached = await self.ensure(numbers)
+        # Only a read that may wait on the registry needs a deadline: a hit
+        # (nothing wanted, so nothing to wait for) spares the clock.
+        deadline = time.monotonic() + self.fetcher.deadline_s if wanting else None
+        uncached = await self.ensure(numbers, deadline=deadline)
         # A write to the cache may have failed while this read waited.
         if uncached or (self.unverified and not self.unverified.keys().isdisjoint(numbers)):
-            data = await self._gather(start, end, numbers, uncached)
+            data = await self._gather(start, end, numbers, uncached, deadline)
         else:
             data = await self._pread(start, end)
         metrics.READ_BYTES.inc(len(data))
         return data
 
-    async def _gather(self, start: int, end: int, numbers: range, uncached: dict[int, bytes]) -> bytes:
+    async def _gather(
+        self, start: int, end: int, numbers: range, uncached: dict[int, bytes], deadline: float | None
+    ) -> bytes:
         """A read whose blocks are not all plainly in the cache: those the
         cache could not take come from memory, those under suspicion are
         checked first (and fetched again if they lost their bytes)."""
@@ -167,7 +199,7 @@ class LayerReader:
                 if n in self.cached:
                     pieces.append(await self._pread(lo, hi))
                     break
-                uncached.update(await self.ensure([n]))
+                uncached.update(await self.ensure([n], deadline=deadline))
         return b"".join(pieces)
 
     async def _pread(self, start: int, end: int) -> bytes:
@@ -225,11 +257,14 @@ class LayerReader:
         else:
             metrics.BLOCK_READS.labels("miss").inc()
 
-    async def ensure(self, numbers: range | list[int], origin: Origin = Origin.READ) -> dict[int, bytes]:
+    async def ensure(
+        self, numbers: range | list[int], origin: Origin = Origin.READ, deadline: float | None = None
+    ) -> dict[int, bytes]:
         """Return once every block in `numbers` is cached, with the bytes of
         those the cache could not take, by number; raise BlockUnavailable if
-        one can't be fetched. A block already on its way is waited for, not
-        fetched again."""
+        one can't be fetched, or by `deadline` (time.monotonic()) if one is
+        given. A block already on its way is waited for, not fetched again.
+        Without a deadline (prefetches) each fetch is bounded on its own."""
         to_fetch: list[int] = []
         waits: list[tuple[int, _Flight]] = []
         for n in numbers:
@@ -243,24 +278,33 @@ class LayerReader:
         if to_fetch:
             async with trio.open_nursery() as nursery:
                 for run in fetch_runs(to_fetch, self.index.blocks):
-                    nursery.start_soon(self._fetch_run, run, origin)
+                    nursery.start_soon(self._fetch_run, run, origin, deadline)
         uncached: dict[int, bytes] = {}
         for n, flight in waits:
-            await flight.done.wait()
+            # Only a wait that has to block may time out: a block that landed
+            # is served even when it landed at the deadline.
+            if not flight.done.is_set():
+                with trio.move_on_at(math.inf if deadline is None else _on_trio_clock(deadline)):
+                    await flight.done.wait()
+                if not flight.done.is_set():
+                    raise BlockUnavailable(
+                        f"block {n} of layer {self.name} not fetched within the "
+                        f"{self.fetcher.deadline_s:g} s fetch deadline"
+                    )
             if flight.error is not None:
                 raise BlockUnavailable(str(flight.error)) from flight.error
             if flight.uncached is not None:
                 uncached[n] = flight.uncached
         return uncached
 
-    async def _fetch_run(self, run: list[int], origin: Origin) -> None:
+    async def _fetch_run(self, run: list[int], origin: Origin, deadline: float | None) -> None:
         # Blocks land one by one as they are stored; what is left here when
-        # the attempts run out gets the error.
+        # the attempts run out, or the deadline passes, gets the error.
         remaining = list(run)
         try:
             for attempt in range(1, VERIFY_ATTEMPTS + 1):
                 try:
-                    await self._fetch_and_store(remaining, origin)
+                    await self._fetch_and_store(remaining, origin, deadline)
                     return
                 except BlockVerificationError as exc:
                     metrics.VERIFY_FAILURES.inc()
@@ -298,16 +342,13 @@ class LayerReader:
                 metrics.PREFETCH_UNREAD.inc()
         flight.done.set()
 
-    async def _fetch_and_store(self, remaining: list[int], origin: Origin) -> None:
+    async def _fetch_and_store(self, remaining: list[int], origin: Origin, deadline: float | None) -> None:
         """Fetch the contiguous blocks in `remaining` with one Range request,
         then verify, decode and land them in parallel, removing each from
         `remaining` as it lands."""
         blocks = self.index.blocks
         start, end = blocks[remaining[0]].cstart, blocks[remaining[-1]].cend
-        async with self.limiters[origin]:
-            began = time.perf_counter()
-            data = await trio.to_thread.run_sync(self.fetch, start, end)
-            metrics.FETCH_SECONDS.observe(time.perf_counter() - began)
+        data = await self._fetch_range(start, end, origin, deadline)
         metrics.FETCHED_BYTES.inc(len(data))
         if len(data) != end - start:
             raise BlockVerificationError(f"range {start}-{end} answered with {len(data)} bytes")
@@ -334,6 +375,30 @@ class LayerReader:
         if errors:
             raise errors[0]
 
+    async def _fetch_range(self, start: int, end: int, origin: Origin, deadline: float | None) -> bytes:
+        """The bytes from a worker thread holding one of `origin`'s fetch
+        slots. The slot stays taken until the thread is done, even one the
+        deadline made us stop waiting for: threads stuck on a registry never
+        outnumber the slots."""
+        limiter = self.limiters[origin]
+        if deadline is None:
+            return await trio.to_thread.run_sync(self._fetch_in_thread, start, end, None, limiter=limiter)
+        with trio.move_on_at(_on_trio_clock(deadline)):
+            return await trio.to_thread.run_sync(
+                self._fetch_in_thread, start, end, deadline, limiter=limiter, abandon_on_cancel=True
+            )
+        raise BlockUnavailable(
+            f"range [{start}, {end}) of layer {self.name} not fetched within the "
+            f"{self.fetcher.deadline_s:g} s fetch deadline; the registry is stalled or too slow"
+        )
+
+    def _fetch_in_thread(self, start: int, end: int, deadline: float | None) -> bytes:
+        # A deadline not set yet (a prefetch's) starts now that the fetch has its slot.
+        began = time.monotonic()
+        data = self.fetcher.fetch(start, end, began + self.fetcher.deadline_s if deadline is None else deadline)
+        metrics.FETCH_SECONDS.observe(time.monotonic() - began)
+        return data
+
     def _store(self, number: int, compressed: bytes) -> bytes | None:
         """Verify and decompress, write to the cache, then record it with its
         crc. Returns the bytes when the cache could not take them: verified,
@@ -358,3 +423,8 @@ class LayerReader:
         its recorded crc again before it is served."""
         records = self.block_index.cached(self.cache_key)
         self.unverified.update((n, r.crc32) for n, r in records.items() if n in self.cached)
+
+
+def _on_trio_clock(deadline: float) -> float:
+    """A time.monotonic() deadline as the same instant on trio's clock."""
+    return trio.current_time() + (deadline - time.monotonic())

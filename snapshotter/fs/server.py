@@ -24,7 +24,7 @@ from recorder.tracker import HotBlocks, HotBlockSettings
 from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.fs.layerfs import LayerFS
 from snapshotter.fs.layers import LayerSource, LayerStore
-from snapshotter.fs.reader import RangeFetcher
+from snapshotter.fs.reader import BoundedFetcher, RangeFetcher
 from snapshotter.fs.settings import FsConfig
 from snapshotter.registry.config import client_from_config
 from snapshotter.registry.reference import parse as parse_reference
@@ -70,7 +70,12 @@ def serve(fs: FsConfig, registry: RegistryConfig) -> None:
 
     def fetcher_for(source: LayerSource) -> RangeFetcher:
         ref = parse_reference(source.ref)
-        return lambda start, end: client.fetch_range(ref, source.digest, start, end)
+        # The reader's deadline goes down to the registry client, so a fetch
+        # the reader gave up on stops retrying there too.
+        return BoundedFetcher(
+            lambda start, end, deadline: client.fetch_range(ref, source.digest, start, end, deadline=deadline),
+            fs.fetch_deadline_s,
+        )
 
     ops = LayerFS(
         store,

@@ -6,6 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+# A reader's miss gets EIO this long after it began if the registry has not
+# delivered by then. Above what a healthy registry needs for the blocks one
+# read touches (a few MiB), below the registry client's 30 s per-try
+# timeout, so a registry that accepts and never answers costs one try, and
+# well under a minute, so a stalled registry shows up as an error instead
+# of a hung process.
+FETCH_DEADLINE_S = 20.0
+
 
 @dataclass
 class FsConfig:
@@ -15,6 +23,10 @@ class FsConfig:
     # goes into an overlay lowerdir option that must fit in one page.
     mountpoint: Path = Path("/var/lib/bootseer/m")
     max_parallel_fetches: int = 8
+    # The longest a read waits on the registry before EIO, whatever the
+    # retries under it; a prefetch's Range request gets as long once it has
+    # its fetch slot.
+    fetch_deadline_s: float = FETCH_DEADLINE_S
     metrics_address: str = ""
     # A stored layer no snapshot uses is removed by containerd's cleanup once
     # it is this old (younger ones may belong to a pull under way).

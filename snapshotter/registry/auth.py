@@ -1,10 +1,13 @@
 """Registry credentials and authentication.
 
-Credentials come from docker's config.json (`auths.<host>.auth`, or
-`username`/`password`, or a credential helper). Challenges
-(`WWW-Authenticate: Bearer realm=...,service=...,scope=...` or `Basic`) are
-parsed here; the token exchange itself is done by `authenticator`, which
-has the connection pools. Nothing in this module logs or formats a secret.
+Credentials come from credential sources consulted first, matched by
+registry host and repository (the CRI proxy's store of kubelet's pull
+secrets, `snapshotter.cri.credentials`), then from docker's config.json
+(`auths.<host>.auth`, or `username`/`password`, or a credential helper).
+Challenges (`WWW-Authenticate: Bearer realm=...,service=...,scope=...` or
+`Basic`) are parsed here; the token exchange itself is done by
+`authenticator`, which has the connection pools. Nothing in this module
+logs or formats a secret.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ import json
 import os
 import re
 import subprocess
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 
 class CredentialsError(ValueError):
@@ -154,38 +160,71 @@ def _helper_credentials(helper: str, host: str) -> Credentials | None:
         raise CredentialsError(f"docker-credential-{helper} gave an answer that is not credentials JSON") from None
 
 
-class Keychain:
-    """Credentials per registry host, from a docker config.json. Read again
-    when the file changes, so a `docker login` reaches running daemons."""
+class CredentialSource(Protocol):
+    """Credentials by registry host and repository, consulted before the
+    docker config. `path` names the source in error messages."""
 
-    def __init__(self, config_path: Path | None = None) -> None:
-        self.path = config_path if config_path is not None else default_docker_config()
+    @property
+    def path(self) -> Path: ...
+
+    def lookup(self, host: str, repository: str) -> Credentials | None: ...
+
+
+class Keychain:
+    """Credentials per registry host (and repository): the `sources` first,
+    then a docker config.json, read again when it changes so a `docker
+    login` reaches running daemons."""
+
+    def __init__(self, config_path: Path | None = None, sources: Sequence[CredentialSource] = ()) -> None:
+        self.docker_config = config_path if config_path is not None else default_docker_config()
+        self.sources = tuple(sources)
         self._doc: dict[str, object] = {}
         self._stamp: tuple[int, int] | None = None
+        # Where the credentials this thread was last given came from, for messages.
+        self._last = threading.local()
+
+    @property
+    def path(self) -> Path:
+        """Where the credentials last handed out in this thread came from
+        (the docker config if none came from a source): what an error
+        about refused credentials names."""
+        last: Path | None = getattr(self._last, "path", None)
+        return last if last is not None else self.docker_config
 
     def _load(self) -> dict[str, object]:
         try:
-            st = self.path.stat()
+            st = self.docker_config.stat()
         except FileNotFoundError:
             self._doc, self._stamp = {}, None
             return self._doc
         stamp = (st.st_mtime_ns, st.st_size)
         if stamp != self._stamp:
             try:
-                doc = json.loads(self.path.read_text())
+                doc = json.loads(self.docker_config.read_text())
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise CredentialsError(f"{self.path}: cannot read docker config: {exc}") from None
+                raise CredentialsError(f"{self.docker_config}: cannot read docker config: {exc}") from None
             if not isinstance(doc, dict):
-                raise CredentialsError(f"{self.path}: a docker config must be a JSON object")
+                raise CredentialsError(f"{self.docker_config}: a docker config must be a JSON object")
             self._doc, self._stamp = doc, stamp
         return self._doc
 
-    def get(self, host: str) -> Credentials | None:
+    def get(self, host: str, repository: str) -> Credentials | None:
+        """Credentials for `repository` on `host`: the first source that has
+        some, else the docker config (which knows hosts only)."""
+        for source in self.sources:
+            creds = source.lookup(host, repository)
+            if creds is not None:
+                self._last.path = source.path
+                return creds
+        self._last.path = None
+        return self._docker_config_get(host)
+
+    def _docker_config_get(self, host: str) -> Credentials | None:
         doc = self._load()
         helpers = doc.get("credHelpers") or {}
         if isinstance(helpers, dict) and isinstance(helpers.get(host), str):
             return _helper_credentials(helpers[host], host)
-        creds = credentials_from_config(doc, host, str(self.path))
+        creds = credentials_from_config(doc, host, str(self.docker_config))
         if creds is None and isinstance(doc.get("credsStore"), str):
             return _helper_credentials(str(doc["credsStore"]), host)
         return creds
@@ -227,6 +266,8 @@ class TokenCache:
     tokens: dict[tuple[str, str, str], Token] = field(default_factory=dict)
 
     def get(self, key: tuple[str, str, str]) -> Token | None:
+        """The cached token, or None once it expired (it is dropped, so the
+        registry's next 401 fetches a new one)."""
         token = self.tokens.get(key)
         if token is not None and not token.valid():
             del self.tokens[key]

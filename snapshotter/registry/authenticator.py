@@ -26,7 +26,7 @@ from snapshotter.registry.errors import ServerError, Unauthorized, Unreachable
 from snapshotter.registry.hosts import Endpoint
 from snapshotter.registry.pools import Pools
 from snapshotter.registry.reference import Reference
-from snapshotter.registry.retry import RETRY_STATUSES, Backoff
+from snapshotter.registry.retry import RETRY_STATUSES, Budget
 
 
 def _token_key(challenge: Challenge, ref: Reference, actions: str) -> tuple[str, str, str]:
@@ -34,10 +34,9 @@ def _token_key(challenge: Challenge, ref: Reference, actions: str) -> tuple[str,
 
 
 class Authenticator:
-    def __init__(self, keychain: Keychain, pools: Pools, backoff: Backoff) -> None:
+    def __init__(self, keychain: Keychain, pools: Pools) -> None:
         self.keychain = keychain
         self._pools = pools
-        self._backoff = backoff
         self._tokens = TokenCache()
         # netloc -> the challenge its registry answered with last.
         self._challenges: dict[str, Challenge] = {}
@@ -52,17 +51,20 @@ class Authenticator:
         if challenge is None:
             return None
         if challenge.scheme == "basic":
-            creds = self.keychain.get(ref.domain)
+            creds = self.keychain.get(ref.domain, ref.repository)
             return creds.basic_header() if creds else None
         return f"Bearer {token.value}" if token else None
 
-    def answer(self, endpoint: Endpoint, ref: Reference, actions: str, response: httpx.Response) -> None:
-        """Learn how to authenticate from a 401; raise Unauthorized if we cannot."""
+    def answer(
+        self, endpoint: Endpoint, ref: Reference, actions: str, response: httpx.Response, budget: Budget
+    ) -> None:
+        """Learn how to authenticate from a 401; raise Unauthorized if we cannot.
+        A token exchange spends the tries and time of the request's `budget`."""
         challenges = parse_challenges(response.headers.get("WWW-Authenticate", ""))
         chosen = next((c for c in challenges if c.scheme == "bearer"), None) or next(
             (c for c in challenges if c.scheme == "basic"), None
         )
-        creds = self.keychain.get(ref.domain)
+        creds = self.keychain.get(ref.domain, ref.repository)
         if chosen is None:
             raise Unauthorized.at(ref, "registry answered 401 without a Basic or Bearer challenge")
         with self._lock:
@@ -75,9 +77,11 @@ class Authenticator:
                     f"add auths[{ref.domain!r}] to it (e.g. with `docker login {ref.domain}`)",
                 )
             return
-        self._fetch_token(chosen, ref, actions, creds)
+        self._fetch_token(chosen, ref, actions, creds, budget)
 
-    def _fetch_token(self, challenge: Challenge, ref: Reference, actions: str, creds: Credentials | None) -> None:
+    def _fetch_token(
+        self, challenge: Challenge, ref: Reference, actions: str, creds: Credentials | None, budget: Budget
+    ) -> None:
         if not challenge.realm:
             raise Unauthorized.at(ref, "bearer challenge without a realm")
         # The challenge's own scope may be narrower or wider; ask for ours too.
@@ -88,7 +92,7 @@ class Authenticator:
         if challenge.params.get("service"):
             params.append(("service", challenge.params["service"]))
         headers = {"Authorization": creds.basic_header()} if creds is not None else {}
-        response = self._ask_token_server(challenge.realm, tuple(params), headers, ref)
+        response = self._ask_token_server(challenge.realm, tuple(params), headers, ref, budget)
         if response.status_code in (401, 403):
             raise Unauthorized.at(
                 ref,
@@ -105,20 +109,27 @@ class Authenticator:
             self._tokens.put(_token_key(challenge, ref, actions), token)
 
     def _ask_token_server(
-        self, realm: str, params: tuple[tuple[str, str], ...], headers: dict[str, str], ref: Reference
+        self, realm: str, params: tuple[tuple[str, str], ...], headers: dict[str, str], ref: Reference, budget: Budget
     ) -> httpx.Response:
-        """GET the realm, retried on resets, timeouts and retryable statuses;
-        the last answer is returned whatever its status."""
-        attempt = 0
+        """GET the realm, retried on resets, timeouts and retryable statuses
+        as long as `budget` allows; the last answer is returned whatever its
+        status."""
+        what = f"token request to {realm}"
         while True:
+            timeout = budget.timeout(self._pools.timeout)
+            if timeout is None:
+                raise budget.overdue(ref, what, "no time left to send it")
             try:
-                response = self._pools.get(None).get(realm, params=params, headers=headers)
+                response = self._pools.get(None).get(realm, params=params, headers=headers, timeout=timeout)
             except httpx.TransportError as exc:
-                if attempt == self._backoff.retries:
-                    raise Unreachable.at(ref, f"token server {realm} unreachable: {exc}") from None
-                self._backoff.sleep(attempt)
+                delay = budget.delay()
+                if delay is None:
+                    raise budget.spent(
+                        ref, what, str(exc), Unreachable.at(ref, f"token server {realm} unreachable: {exc}")
+                    ) from None
             else:
-                if response.status_code not in RETRY_STATUSES or attempt == self._backoff.retries:
+                delay = budget.delay(response) if response.status_code in RETRY_STATUSES else None
+                if delay is None:
                     return response
-                self._backoff.sleep(attempt, response)
-            attempt += 1
+                response.close()
+            budget.wait(delay)

@@ -5,6 +5,15 @@ pushes, referrers) over a `Transport`, which picks the endpoints and
 handles auth, redirects and retries. Manifests and blobs are checked
 against their digests, a mismatch is an error and never a result; ranges
 carry no digest, their caller checks them.
+
+How long a registry that stops answering can hold a call: on each endpoint
+tried (mirrors, then the server) one request (a manifest) or one body with
+its resumes (a blob, a range) gets `retries + 1` tries in all, each waiting
+at most `timeout` for any one connect or read, plus the backoff between
+them (`backoff * (2**retries - 1)` at most, unless a Retry-After stretches
+a wait, to 10 s at most); with the defaults 5 x 30 s + 3.75 s. A
+bearer-token exchange can add as much once (`Authenticator`). `fetch_range`
+takes a deadline that caps all of it.
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ import httpx
 import structlog
 
 from snapshotter.registry import media, resumable
-from snapshotter.registry.errors import DigestMismatch, NotFound, ServerError
+from snapshotter.registry.auth import Keychain
+from snapshotter.registry.errors import DigestMismatch, NotFound, ServerError, Unreachable
 from snapshotter.registry.hosts import Endpoint
 from snapshotter.registry.media import Descriptor, Index, Manifest, Platform
 from snapshotter.registry.metrics import RETRIES
@@ -52,6 +62,17 @@ class ResolvedImage:
         return Descriptor(self.media_type, self.manifest_digest, len(self.manifest_bytes))
 
 
+def _small_body(response: httpx.Response, what: str, ref: Reference) -> bytes:
+    """A manifest-sized body; a transfer that breaks or stalls midway is the
+    registry's failure like any other, not an HTTP library's exception."""
+    try:
+        return read_small(response, what, ref)
+    except httpx.TransportError as exc:
+        raise Unreachable.at(
+            ref, f"{what}: the transfer broke ({type(exc).__name__}); check the network to the registry"
+        ) from None
+
+
 def referrers_tag(digest: str) -> str:
     """The OCI referrers tag schema: "sha256:abc..." -> "sha256-abc..."."""
     algorithm, _, hex_part = media.check_digest(digest).partition(":")
@@ -64,7 +85,7 @@ class RegistryClient:
         *,
         plain_http: bool = False,
         certs_dir: Path | None = None,
-        docker_config: Path | None = None,
+        keychain: Keychain | None = None,
         timeout: float = 30.0,
         retries: int = 4,
         backoff: float = 0.25,
@@ -72,7 +93,7 @@ class RegistryClient:
         self.transport = Transport(
             plain_http=plain_http,
             certs_dir=certs_dir,
-            docker_config=docker_config,
+            keychain=keychain,
             timeout=timeout,
             retries=retries,
             backoff=backoff,
@@ -112,7 +133,7 @@ class RegistryClient:
             )
             if response.status_code != 200:
                 raise unexpected(response, f"manifest {ref.object}", ref)
-            data = read_small(response, f"manifest {ref.object}", ref)
+            data = _small_body(response, f"manifest {ref.object}", ref)
             algorithm = ref.digest.partition(":")[0] if ref.digest else "sha256"
             digest = media.digest_of(data, algorithm)
             expected = ref.digest or response.headers.get("Docker-Content-Digest", "")
@@ -247,14 +268,19 @@ class RegistryClient:
             raise ServerError.at(ref, f"blob {digest} is larger than {limit} bytes")
         return buffer.getvalue()
 
-    def fetch_range(self, ref: Reference, digest: str, start: int, end: int) -> bytes:
+    def fetch_range(self, ref: Reference, digest: str, start: int, end: int, *, deadline: float | None = None) -> bytes:
         """Bytes [start, end) of blob `digest`: exactly end - start of them, or
-        an exception. The caller verifies them (ranges carry no digest)."""
+        an exception. The caller verifies them (ranges carry no digest).
+
+        By `deadline` (a time.monotonic() value) the bytes are in or
+        DeadlineExceeded is raised: each try waits at most the time left, and
+        no try starts past it. A socket read under way then can outlast it
+        by at most the time that was left when its request was sent."""
         media.check_digest(digest)
         if not 0 <= start < end:
             raise ValueError(f"bad range [{start}, {end})")
         buffer = bytearray()
-        body = BlobBody(ref, digest, buffer.extend, start, end)
+        body = BlobBody(ref, digest, buffer.extend, start, end, deadline)
         # A mirror that fails mid-range hands over to the next endpoint, which
         # continues from what `buffer` already holds.
         self.transport.over_endpoints(ref, "pull", partial(resumable.read, self.transport, body))
@@ -335,7 +361,7 @@ class RegistryClient:
                 if response.status_code != 200:
                     raise unexpected(response, f"referrers of {subject_digest}", ref)
                 link = response.headers.get("Link", "")
-                data = read_small(response, "referrers index", ref)
+                data = _small_body(response, "referrers index", ref)
                 try:
                     parsed = media.parse(data, media.OCI_INDEX)
                 except media.InvalidManifest as exc:

@@ -39,3 +39,7 @@ class ServerError(RegistryError):
 
 class DigestMismatch(RegistryError):
     """The bytes received do not hash to the digest asked for."""
+
+
+class DeadlineExceeded(RegistryError):
+    """The caller's deadline passed before the registry delivered what was asked."""

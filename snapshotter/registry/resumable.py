@@ -2,9 +2,11 @@
 
 A `BlobBody` is a blob's bytes from `start` to `end` (or to the blob's end)
 on their way to a sink. When the connection breaks, `read` asks again with a
-Range from where the bytes stopped, up to the retry budget. Whole blobs and
-ranges go through this same loop; a server that ignores Range answers 200
-with the whole blob, which is skipped to the offset asked for.
+Range from where the bytes stopped, spending from the same budget as the
+transport's own retries of those requests, and never past the body's
+deadline. Whole blobs and ranges go through this same loop; a server that
+ignores Range answers 200 with the whole blob, which is skipped to the
+offset asked for.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from snapshotter.registry.hosts import Endpoint
 from snapshotter.registry.metrics import BYTES, RETRIES
 from snapshotter.registry.reference import Reference
 from snapshotter.registry.responses import content_range_start, unexpected
+from snapshotter.registry.retry import Budget
 from snapshotter.registry.transport import Request, Transport
 
 log = structlog.get_logger("bootseer.registry")
@@ -39,6 +42,8 @@ class BlobBody:
     sink: Callable[[bytes], None]
     start: int = 0
     end: int | None = None  # exclusive; None: to the end of the blob
+    # time.monotonic() by which every byte must be in, or DeadlineExceeded; None: no limit.
+    deadline: float | None = None
     # Bytes handed to `sink` so far, whichever endpoints and requests they came from.
     delivered: int = 0
     done: bool = False
@@ -75,17 +80,23 @@ class BlobBody:
 def read(transport: Transport, body: BlobBody, endpoint: Endpoint) -> None:
     """Deliver the rest of `body` from `endpoint`, asking again from where it
     stopped after each break."""
-    failures = 0
+    budget = transport.budget(body.deadline)
     while not body.done:
         try:
-            _read_once(transport, body, endpoint)
+            _read_once(transport, body, endpoint, budget)
         except (httpx.TransportError, _ShortRead) as exc:
-            failures += 1
-            if failures > transport.backoff.retries:
-                raise Unreachable.at(
+            reason = type(exc).__name__
+            delay = budget.delay()
+            if delay is None:
+                raise budget.spent(
                     body.ref,
-                    f"{body.what}: transfer kept breaking ({type(exc).__name__}) after {body.delivered} bytes; "
-                    "check the network to the registry",
+                    body.what,
+                    reason,
+                    Unreachable.at(
+                        body.ref,
+                        f"{body.what}: transfer kept breaking ({reason}) after {body.delivered} bytes; "
+                        "check the network to the registry",
+                    ),
                 ) from None
             RETRIES.labels("body").inc()
             log.info(
@@ -94,18 +105,18 @@ def read(transport: Transport, body: BlobBody, endpoint: Endpoint) -> None:
                 repository=body.ref.repository,
                 digest=body.digest,
                 offset=body.offset,
-                reason=type(exc).__name__,
+                reason=reason,
             )
-            transport.backoff.sleep(failures - 1)
+            budget.wait(delay)
 
 
-def _read_once(transport: Transport, body: BlobBody, endpoint: Endpoint) -> None:
+def _read_once(transport: Transport, body: BlobBody, endpoint: Endpoint, budget: Budget) -> None:
     """One GET from `body.offset`, delivering what it brings. A range that
     ends cleanly but short leaves `done` unset, so `read` asks again; that
     counts as a break only when it brought nothing."""
     ref, digest, offset = body.ref, body.digest, body.offset
     response = transport.send(
-        Request(endpoint, ref, "GET", f"/{ref.repository}/blobs/{digest}", headers=body.range_header())
+        Request(endpoint, ref, "GET", f"/{ref.repository}/blobs/{digest}", headers=body.range_header()), budget
     )
     try:
         if response.status_code == 416 and body.end is not None:
@@ -127,6 +138,10 @@ def _read_once(transport: Transport, body: BlobBody, endpoint: Endpoint) -> None
             if body.offset == body.end:
                 body.done = True
                 return  # closing early drops the rest of a whole-body answer
+            # Each socket read is bounded by the request's timeout, but a
+            # body trickling in would go on past the deadline without this.
+            if budget.expired():
+                raise budget.overdue(ref, body.what, f"{body.delivered} bytes in")
         if body.end is None:
             body.done = True
         elif got == 0:

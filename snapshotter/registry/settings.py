@@ -12,3 +12,7 @@ class RegistryConfig:
     config_path: Path = Path("/etc/containerd/certs.d")
     # Docker credentials file; empty means $DOCKER_CONFIG/config.json or ~/.docker/config.json.
     docker_config: str = ""
+    # The credentials the CRI proxy captured from kubelet's PullImage calls
+    # (snapshotter.cri.credentials), consulted before docker_config by host and
+    # repository; every daemon on the node reads the same file. Empty: not used.
+    cri_credentials: str = "/var/lib/bootseer/cri/credentials.json"

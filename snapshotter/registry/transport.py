@@ -7,9 +7,12 @@ as httpx layers its own loops, each a method below: `send` -> handling auth
 (the registry's 401 challenge is answered once: basic auth, or a bearer
 token fetched from the challenge's realm and cached per scope) -> handling
 redirects -> handling retries (exponential backoff plus jitter on 5xx, 429,
-resets and timeouts) -> a single request. Credentials go only to the
-registry endpoint they belong to: a redirect to another origin (blob
-storage) is followed without them.
+resets and timeouts) -> a single request. Every request of one operation
+on one endpoint spends from one `Budget`: its retries, redirects and auth
+rounds, and a blob body's resumes around it, share `retries`, and a
+caller's deadline caps each try's timeout and stops the tries. Credentials
+go only to the registry endpoint they belong to: a redirect to another
+origin (blob storage) is followed without them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from snapshotter.registry.hosts import Endpoint, endpoints_for
 from snapshotter.registry.metrics import REQUESTS, RETRIES
 from snapshotter.registry.pools import Pools
 from snapshotter.registry.reference import Reference
-from snapshotter.registry.retry import RETRY_STATUSES, Backoff
+from snapshotter.registry.retry import RETRY_STATUSES, Backoff, Budget
 
 log = structlog.get_logger("bootseer.registry")
 
@@ -78,20 +81,13 @@ class Request:
         return _origin(url) == _origin(self.endpoint.base_url)
 
 
-@dataclass
-class _Attempts:
-    """Tries one request has used, across redirects and auth rounds alike."""
-
-    used: int = 0
-
-
 class Transport:
     def __init__(
         self,
         *,
         plain_http: bool = False,
         certs_dir: Path | None = None,
-        docker_config: Path | None = None,
+        keychain: Keychain | None = None,
         timeout: float = 30.0,
         retries: int = 4,
         backoff: float = 0.25,
@@ -100,12 +96,17 @@ class Transport:
         self.certs_dir = certs_dir
         self.backoff = Backoff(retries, backoff)
         self.pools = Pools(timeout)
-        self.auth = Authenticator(Keychain(docker_config), self.pools, self.backoff)
+        # No keychain: the docker config's credentials only.
+        self.auth = Authenticator(keychain or Keychain(), self.pools)
         self._endpoints: dict[str, list[Endpoint]] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
         self.pools.close()
+
+    def budget(self, deadline: float | None = None) -> Budget:
+        """A fresh budget for one operation on one endpoint."""
+        return Budget(self.backoff, deadline)
 
     # -- endpoints ----------------------------------------------------------
 
@@ -144,20 +145,20 @@ class Transport:
 
     # -- sending, one layer per method ----------------------------------------
 
-    def send(self, request: Request) -> httpx.Response:
-        """`request` with auth, redirects and retries. The response is
-        returned open (streamed) for every status but the retried ones; the
-        caller must close it."""
-        return self._send_handling_auth(request, _Attempts())
+    def send(self, request: Request, budget: Budget | None = None) -> httpx.Response:
+        """`request` with auth, redirects and retries, spending from `budget`
+        (by default a fresh one). The response is returned open (streamed)
+        for every status but the retried ones; the caller must close it."""
+        return self._send_handling_auth(request, budget or self.budget())
 
-    def _send_handling_auth(self, request: Request, attempts: _Attempts) -> httpx.Response:
+    def _send_handling_auth(self, request: Request, budget: Budget) -> httpx.Response:
         """Send with what the registry's last challenge asked for; the first
         401 from the registry itself is answered and the request sent again,
         any other 401 is final."""
         answered = False
         while True:
             authorization = self.auth.header(request.endpoint, request.ref, request.actions)
-            response = self._send_handling_redirects(request, authorization, attempts)
+            response = self._send_handling_redirects(request, authorization, budget)
             if response.status_code != 401:
                 return response
             if answered or not request.on_registry(str(response.url)):
@@ -170,16 +171,14 @@ class Transport:
                 )
             response.read()
             response.close()
-            self.auth.answer(request.endpoint, request.ref, request.actions, response)
+            self.auth.answer(request.endpoint, request.ref, request.actions, response, budget)
             answered = True
 
-    def _send_handling_redirects(
-        self, request: Request, authorization: str | None, attempts: _Attempts
-    ) -> httpx.Response:
+    def _send_handling_redirects(self, request: Request, authorization: str | None, budget: Budget) -> httpx.Response:
         url = request.url
         redirects = 0
         while True:
-            response = self._send_handling_retries(request, url, authorization, attempts)
+            response = self._send_handling_retries(request, url, authorization, budget)
             if response.status_code not in REDIRECT_STATUSES or "Location" not in response.headers:
                 return response
             response.close()
@@ -191,48 +190,73 @@ class Transport:
             url = urljoin(str(response.url), response.headers["Location"])
 
     def _send_handling_retries(
-        self, request: Request, url: str, authorization: str | None, attempts: _Attempts
+        self, request: Request, url: str, authorization: str | None, budget: Budget
     ) -> httpx.Response:
         while True:
+            timeout = budget.timeout(self.pools.timeout)
+            if timeout is None:
+                raise budget.overdue(request.ref, f"{request.method} {request.target}", "no time left to send it")
             try:
-                response = self._send_single_request(request, url, authorization)
+                response = self._send_single_request(request, url, authorization, timeout)
             except httpx.TransportError as exc:
                 reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                if attempts.used >= self.backoff.retries:
-                    raise Unreachable.at(
+                self._retry(
+                    request,
+                    budget,
+                    "transport",
+                    reason,
+                    None,
+                    Unreachable.at(
                         request.ref,
-                        f"no answer from {urlsplit(url).netloc} after {attempts.used + 1} attempts ({reason}); "
+                        f"no answer from {urlsplit(url).netloc} after {budget.tries} attempts ({reason}); "
                         "check that the registry is up and reachable, and its entry in hosts.toml",
-                    ) from None
-                self._before_retry(request, attempts, "transport", reason, None)
+                    ),
+                )
                 continue
             if response.status_code not in RETRY_STATUSES:
                 return response
             response.close()
             reason = f"HTTP {response.status_code}"
-            if attempts.used >= self.backoff.retries:
-                raise ServerError.at(
+            self._retry(
+                request,
+                budget,
+                str(response.status_code),
+                reason,
+                response,
+                ServerError.at(
                     request.ref,
-                    f"{request.method} {request.target} kept failing ({reason} after {attempts.used + 1} attempts); "
+                    f"{request.method} {request.target} kept failing ({reason} after {budget.tries} attempts); "
                     "the registry is overloaded or broken, try again later",
-                )
-            self._before_retry(request, attempts, str(response.status_code), reason, response)
+                ),
+            )
 
-    def _before_retry(
-        self, request: Request, attempts: _Attempts, label: str, reason: str, response: httpx.Response | None
+    def _retry(
+        self,
+        request: Request,
+        budget: Budget,
+        label: str,
+        reason: str,
+        response: httpx.Response | None,
+        spent: RegistryError,
     ) -> None:
+        """Wait before sending `request` again, or raise `spent` when the
+        budget allows no more tries (DeadlineExceeded when time ran out)."""
+        delay = budget.delay(response)
+        if delay is None:
+            raise budget.spent(request.ref, f"{request.method} {request.target}", reason, spent) from None
         RETRIES.labels(label).inc()
         log.info(
             "registry.retry",
             host=request.ref.domain,
             repository=request.ref.repository,
-            attempt=attempts.used + 1,
+            attempt=budget.tries,
             reason=reason,
         )
-        self.backoff.sleep(attempts.used, response)
-        attempts.used += 1
+        budget.wait(delay)
 
-    def _send_single_request(self, request: Request, url: str, authorization: str | None) -> httpx.Response:
+    def _send_single_request(
+        self, request: Request, url: str, authorization: str | None, timeout: float
+    ) -> httpx.Response:
         """One HTTP exchange. Another origin than the endpoint's (blob storage
         a redirect points at) gets only the request's own headers, through a
         pool with no registry-specific trust."""
@@ -249,7 +273,8 @@ class Transport:
             target = target.copy_merge_params(query)
         try:
             response = client.send(
-                client.build_request(request.method, target, headers=headers, content=request.content), stream=True
+                client.build_request(request.method, target, headers=headers, content=request.content, timeout=timeout),
+                stream=True,
             )
         except httpx.TransportError:
             REQUESTS.labels(request.method, "error").inc()

@@ -3,13 +3,24 @@
 Root, state and sockets live in one short temp dir: containerd's own
 overlayfs snapshotter puts per-layer paths into the overlay `lowerdir=`
 option, which must fit in one page.
+
+By default containerd's CRI plugin is off. `start_containerd(..., cri=CriSettings(...))`
+starts the CRI-enabled variant a kubelet would talk to (tests/harness/cri.py
+plays kubelet): its images and containers live in the `k8s.io` namespace,
+it pulls and unpacks into the proxy snapshotter with the snapshot
+annotations a remote snapshotter needs, and pods put their processes under
+one cgroup parent per containerd so teardown can find them by cgroup.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +31,10 @@ from tests.harness.tree import unmount_under
 CONTAINERD_BIN = "containerd"
 CTR_BIN = "ctr"
 NAMESPACE = "bootseer-test"
+# The namespace containerd's CRI plugin keeps kubelet's images and containers in.
+CRI_NAMESPACE = "k8s.io"
+CRI_PLUGIN = "io.containerd.grpc.v1.cri"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROXY_NAME = "bootseer"
 # ctr commands are short; this only bounds a hung daemon.
 CTR_TIMEOUT = 180.0
@@ -46,9 +61,62 @@ class CtrError(RuntimeError):
         )
 
 
-def config_toml(root: Path, state: Path, address: Path, snapshotter_address: Path) -> str:
-    disabled = ", ".join(f'"{p}"' for p in DISABLED_PLUGINS)
-    return f"""version = 2
+@dataclass(frozen=True)
+class CriSettings:
+    """What the CRI-enabled containerd is configured with."""
+
+    # The pod sandbox ("pause") image, pulled by containerd itself on RunPodSandbox.
+    sandbox_image: str
+    # containerd's hosts directory (certs.d/<host>/hosts.toml), the one bootseer's
+    # `[registry] config_path` names too.
+    hosts_dir: Path
+    # Pods' cgroup parent (cgroupfs syntax); teardown kills what is left in it.
+    cgroup_parent: str
+    snapshotter: str = PROXY_NAME
+
+
+def _cri_toml(cri: CriSettings, cni_dir: Path) -> str:
+    plugin = f'plugins."{CRI_PLUGIN}"'
+    return f"""
+[{plugin}]
+  sandbox_image = "{cri.sandbox_image}"
+  # CRI asks runc for oom_score_adj -998 on sandboxes; without CAP_SYS_RESOURCE
+  # (these VMs' root) only values at or above containerd's own are allowed.
+  restrict_oom_score_adj = true
+  systemd_cgroup = false
+  enable_selinux = false
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  disable_tcp_service = true
+
+  [{plugin}.containerd]
+    snapshotter = "{cri.snapshotter}"
+    # The cri.* labels on Prepare: what a remote snapshotter needs to find the layer.
+    disable_snapshot_annotations = false
+    default_runtime_name = "runc"
+
+    [{plugin}.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+
+      [{plugin}.containerd.runtimes.runc.options]
+        SystemdCgroup = false
+
+  # Host-network pods need no CNI; an empty directory keeps the plugin quiet.
+  [{plugin}.cni]
+    bin_dir = "{cni_dir}/bin"
+    conf_dir = "{cni_dir}/net.d"
+
+  [{plugin}.registry]
+    config_path = "{cri.hosts_dir}"
+"""
+
+
+def config_toml(
+    root: Path, state: Path, address: Path, snapshotter_address: Path, cri: CriSettings | None = None
+) -> str:
+    """containerd's config; `cri` turns its CRI plugin on (off by default)."""
+    disabled = ", ".join(f'"{p}"' for p in DISABLED_PLUGINS if cri is None or p != CRI_PLUGIN)
+    text = f"""version = 2
 root = "{root}"
 state = "{state}"
 disabled_plugins = [{disabled}]
@@ -73,6 +141,9 @@ disabled_plugins = [{disabled}]
   type = "snapshot"
   address = "{snapshotter_address}"
 """
+    if cri is not None:
+        text += _cri_toml(cri, root.parent / "cni")
+    return text
 
 
 @dataclass(frozen=True)
@@ -86,6 +157,7 @@ class Containerd:
     daemon: Daemon
     workdir: Path
     namespace: str = NAMESPACE
+    cri: CriSettings | None = None
 
     @property
     def root(self) -> Path:
@@ -197,6 +269,41 @@ class Containerd:
                 continue
             kill_pid(pid, grace=2.0)
 
+    def _cgroups(self) -> list[Path]:
+        """The pods' cgroup directories, every hierarchy, deepest first."""
+        if self.cri is None:
+            return []
+        relative = self.cri.cgroup_parent.strip("/")
+        found: list[Path] = []
+        for hierarchy in CGROUP_ROOT.iterdir():
+            top = hierarchy / relative
+            if top.is_dir():
+                found += [Path(d) for d, _, _ in os.walk(top)]
+        return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+    def _kill_pod_cgroups(self) -> None:
+        """Kill whatever still runs in the pods' cgroup parent, then remove it.
+
+        Containers and shims are not children of containerd's process group;
+        the cgroup is where the CRI put them, so that is where they are found.
+        """
+        cgroups = self._cgroups()
+        deadline = time.monotonic() + 10.0
+        while True:
+            pids = set()
+            for cgroup in cgroups:
+                with contextlib.suppress(OSError):
+                    pids |= {int(p) for p in (cgroup / "cgroup.procs").read_text().split()}
+            if not pids or time.monotonic() > deadline:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+        for cgroup in cgroups:
+            with contextlib.suppress(OSError):
+                cgroup.rmdir()
+
     def stop(self) -> list[str]:
         """Tear everything down; returns mounts that could not be removed."""
         if self.daemon.alive():
@@ -204,6 +311,7 @@ class Containerd:
         self.daemon.stop()
         self.daemon.kill_group()
         self._kill_leftover_shims()
+        self._kill_pod_cgroups()
         leftovers = unmount_under(self.workdir)
         # rmtree would descend into a mount that is still there and delete
         # what it serves; leave the dir for a human instead.
@@ -212,11 +320,21 @@ class Containerd:
         return leftovers
 
 
-def start_containerd(snapshotter_address: Path) -> Containerd:
-    workdir = Path(tempfile.mkdtemp(prefix="bs-", dir="/tmp"))
+def new_workdir() -> Path:
+    """A fresh short directory for one containerd (its socket is `workdir/containerd.sock`),
+    for callers that must know the socket before containerd starts."""
+    return Path(tempfile.mkdtemp(prefix="bs-", dir="/tmp"))
+
+
+def start_containerd(
+    snapshotter_address: Path, cri: CriSettings | None = None, workdir: Path | None = None
+) -> Containerd:
+    """containerd wired to the proxy snapshotter at `snapshotter_address`; with `cri`,
+    its CRI plugin on (namespace `k8s.io`) as a kubelet's node runs it."""
+    workdir = workdir or new_workdir()
     root, state, address = workdir / "root", workdir / "state", workdir / "containerd.sock"
     config = workdir / "config.toml"
-    config.write_text(config_toml(root, state, address, snapshotter_address))
+    config.write_text(config_toml(root, state, address, snapshotter_address, cri))
 
     def ready() -> bool:
         if not unix_socket_answers(address):
@@ -233,4 +351,4 @@ def start_containerd(snapshotter_address: Path) -> Containerd:
         if not unmount_under(workdir):
             shutil.rmtree(workdir, ignore_errors=True)
         raise
-    return Containerd(daemon=daemon, workdir=workdir)
+    return Containerd(daemon=daemon, workdir=workdir, namespace=CRI_NAMESPACE if cri else NAMESPACE, cri=cri)

@@ -2,8 +2,10 @@
 
 It forwards every request to the registry unchanged except when a planned
 fault matches: drop the connection, answer a status itself, strip the Range
-header, truncate or corrupt the body, or redirect elsewhere. It records
-each request (method, path, headers) so tests can see what the client sent.
+header, truncate or corrupt the body, redirect elsewhere, or stall (never
+answer, or answer the headers and half the body and then nothing more,
+until the proxy stops: a registry that was SIGSTOPped). It records each
+request (method, path, headers) so tests can see what the client sent.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from tests.harness.procs import free_tcp_port
 
-FAULTS = ("drop", "status", "strip_range", "truncate", "flip", "redirect")
+FAULTS = ("drop", "status", "strip_range", "truncate", "flip", "redirect", "stall", "stall_body")
 
 
 @dataclass
@@ -49,6 +51,8 @@ class FaultProxy:
     faults: list[Fault] = field(default_factory=list)
     seen: list[Seen] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Set when the proxy stops: stalled answers end then.
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     @property
     def host(self) -> str:
@@ -107,6 +111,10 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             if fault is not None and fault.kind == "drop":
                 self.close_connection = True
                 return
+            if fault is not None and fault.kind == "stall":
+                proxy.stopping.wait()
+                self.close_connection = True
+                return
             if fault is not None and fault.kind == "status":
                 self._answer(fault.status, {"Content-Length": "0"}, b"")
                 return
@@ -133,6 +141,12 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             if fault is not None and fault.kind == "truncate" and len(data) > 1:
                 # Announce the full length, send half, hang up: a broken transfer.
                 self._answer(response.status, out_headers, data[: len(data) // 2])
+                self.close_connection = True
+                return
+            if fault is not None and fault.kind == "stall_body" and len(data) > 1:
+                # Announce the full length, send half, then nothing: a transfer that stalls.
+                self._answer(response.status, out_headers, data[: len(data) // 2])
+                proxy.stopping.wait()
                 self.close_connection = True
                 return
             self._answer(response.status, out_headers, data)
@@ -170,6 +184,7 @@ def running(upstream_port: int) -> Iterator[FaultProxy]:
     try:
         yield proxy
     finally:
+        proxy.stopping.set()
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)

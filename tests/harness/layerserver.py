@@ -53,6 +53,11 @@ class LazyConfig:
         """Registry credentials of this node (docker config.json format)."""
         return self.workdir / "docker" / "config.json"
 
+    @property
+    def cri_credentials(self) -> Path:
+        """What this node's CRI proxy captured from PullImage calls."""
+        return self.workdir / "cri" / "credentials.json"
+
     def allow_plain_http(self, host: str) -> None:
         """A hosts.toml saying `host` speaks plain HTTP, as an admin would write it."""
         hosts = self.certs_dir / host / "hosts.toml"
@@ -82,6 +87,7 @@ whole_layer_bytes = {self.whole_layer_bytes}
 [registry]
 config_path = "{self.certs_dir}"
 docker_config = "{self.docker_config}"
+cri_credentials = "{self.cri_credentials}"
 """
         )
         return self.path

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from snapshotter.registry.auth import Keychain
 from snapshotter.registry.client import RegistryClient
 from snapshotter.registry.errors import ServerError, Unauthorized
 from snapshotter.registry.reference import parse as parse_reference
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 
 def _client(docker_config: Path | None = None) -> RegistryClient:
-    return RegistryClient(plain_http=True, backoff=0.01, retries=1, docker_config=docker_config)
+    return RegistryClient(plain_http=True, backoff=0.01, retries=1, keychain=Keychain(docker_config))
 
 
 def _docker_config(tmp_path: Path, host: str, login: str) -> Path:

@@ -12,6 +12,7 @@ from urllib.parse import unquote
 import pytest
 
 from snapshotter.registry import media
+from snapshotter.registry.auth import Keychain
 from snapshotter.registry.client import RegistryClient, referrers_tag
 from snapshotter.registry.errors import DigestMismatch, NotFound, ServerError, Unauthorized, Unreachable
 from snapshotter.registry.reference import parse as parse_reference
@@ -31,7 +32,7 @@ def _blob(pushed: PushedImage, digest: str) -> bytes:
 
 def _client(*, retries: int = 4, docker_config: Path | None = None) -> RegistryClient:
     # A short backoff keeps retry tests quick; the schedule is the same.
-    return RegistryClient(plain_http=True, backoff=0.01, retries=retries, docker_config=docker_config)
+    return RegistryClient(plain_http=True, backoff=0.01, retries=retries, keychain=Keychain(docker_config))
 
 
 def _at(proxy: FaultProxy, pushed: PushedImage) -> str:

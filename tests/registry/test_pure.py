@@ -143,13 +143,13 @@ def test_credentials_from_config_json() -> None:
 
 def test_keychain_reads_file_and_reports_bad_json(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
-    assert Keychain(path).get("h") is None  # no file: anonymous
+    assert Keychain(path).get("h", "team/app") is None  # no file: anonymous
     path.write_text(json.dumps({"auths": {"h": {"username": "u", "password": "p"}}}))
-    creds = Keychain(path).get("h")
+    creds = Keychain(path).get("h", "team/app")
     assert creds is not None and creds.password == "p"
     path.write_text("{")
     with pytest.raises(CredentialsError, match=str(path)):
-        Keychain(path).get("h")
+        Keychain(path).get("h", "team/app")
 
 
 def test_challenge_parsing() -> None:
