@@ -13,6 +13,10 @@ nothing else of the host.
     {"op": "put", "key": K} + fd                 -> {"ok"}
     {"op": "discard", "key": K}                  -> {"ok"}
     {"op": "stats"}                              -> {"ok", counters...}
+
+The application serves the metrics and health endpoint (`metrics_address`)
+and tells the service manager about readiness, through the callbacks
+`serve` takes.
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import socketserver
 import threading
 from collections import Counter as Tally
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import structlog
-from prometheus_client import Counter, Gauge, start_http_server
+from prometheus_client import Counter, Gauge
 
 from depsnap.cache import Cache
 from depsnap.client import daemon_answers, recv_message, send_message
@@ -44,6 +50,8 @@ EVICTIONS = Counter("depsnap_evictions", "Images evicted to stay under the cap")
 CACHED_BYTES = Gauge("depsnap_cache_bytes", "Bytes of images in the node cache")
 
 _KEY_CHARS = frozenset("0123456789abcdef")
+# How long a health check waits for the daemon to answer.
+HEALTH_TIMEOUT_S = 2.0
 
 
 class BadRequest(Exception):
@@ -196,7 +204,37 @@ class _Server(socketserver.ThreadingUnixStreamServer):
         super().__init__(str(address), _Handler)
 
 
-def serve(settings: DepsnapConfig) -> None:
+def answers(address: Path, timeout: float = HEALTH_TIMEOUT_S) -> str | None:
+    """None if the daemon on `address` answers a stats request within
+    `timeout`, else why not. A real request, not a bare connect: it shows the
+    daemon serves, and does not leave a "bad client message" in its log."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(str(address))
+            send_message(sock, {"op": "stats"})
+            reply, fds = recv_message(sock)
+    except (OSError, ValueError) as exc:
+        return f"{address} does not answer: {getattr(exc, 'strerror', None) or exc}"
+    for fd in fds:
+        os.close(fd)
+    if not reply.get("ok"):
+        return f"{address} answers {reply.get('error')}: {reply.get('message', '')}"
+    return None
+
+
+def serve(
+    settings: DepsnapConfig,
+    *,
+    on_started: Callable[[Callable[[], str | None]], None] = lambda _health: None,
+    on_ready: Callable[[], None] = lambda: None,
+    on_stopping: Callable[[], None] = lambda: None,
+) -> None:
+    """Serve until SIGTERM or SIGINT.
+
+    `on_started(health)` once the socket is bound (`health()`: None while
+    the daemon answers on it, else why not); `on_ready()` once it accepts;
+    `on_stopping()` when a signal starts the shutdown."""
     address = settings.socket
     address.parent.mkdir(parents=True, exist_ok=True)
     if daemon_answers(address):
@@ -204,26 +242,28 @@ def serve(settings: DepsnapConfig) -> None:
     address.unlink(missing_ok=True)
     node = NodeCache(settings)
     node.cache.sweep_tmp()
-    if settings.metrics_address:
-        host, _, port = settings.metrics_address.rpartition(":")
-        start_http_server(int(port), addr=host or "0.0.0.0")
     server = _Server(address, node)
-    os.chmod(address, 0o660)
-
-    def stop(signum: int, _frame: object) -> None:
-        log.info("stopping", signal=signal.Signals(signum).name)
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    log.info(
-        "serving",
-        socket=str(address),
-        cache_dir=str(settings.cache_dir),
-        cache_max_bytes=settings.cache_max_bytes,
-        store=settings.store or None,
-    )
     try:
+        os.chmod(address, 0o660)
+        on_started(lambda: answers(address))
+
+        def stop(signum: int, _frame: object) -> None:
+            log.info("stopping", signal=signal.Signals(signum).name)
+            on_stopping()
+            threading.Thread(target=server.shutdown, daemon=True).start()
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        log.info(
+            "serving",
+            socket=str(address),
+            cache_dir=str(settings.cache_dir),
+            cache_max_bytes=settings.cache_max_bytes,
+            store=settings.store or None,
+        )
+        # Bound and listening since _Server(): connections queue until
+        # serve_forever, just below, takes them.
+        on_ready()
         server.serve_forever()
     finally:
         server.server_close()

@@ -1,16 +1,20 @@
 """The mount daemon: one pyfuse3 mount per process, run in the foreground
-(systemd, tests) or detached by `mount` itself, and `umount`."""
+(systemd, tests) or detached by `mount` itself, and `umount`; and whether a
+FUSE mount answers (`MountProbe`), for readiness and health here and in the
+layer server."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-import prometheus_client
 import pyfuse3
 import structlog
 import trio
@@ -26,6 +30,9 @@ log = structlog.get_logger("bootseer.hdfs_fuse.mount")
 # Kernel requests in flight at once; each waits on a stripe in a thread.
 MAX_FUSE_TASKS = 64
 MOUNT_WAIT_S = 30.0
+FSTYPE = "fuse.hdfs-fuse"
+# How long a health check waits for the mount to answer.
+PROBE_TIMEOUT_S = 2.0
 
 
 class MountError(RuntimeError):
@@ -51,7 +58,79 @@ def set_kernel_readahead(mountpoint: Path, nbytes: int) -> None:
     log.info("kernel read-ahead raised", path=str(knob), kib=nbytes // 1024)
 
 
-async def _serve(fs: RemoteFS, mountpoint: Path, readahead: int) -> None:
+class _Stat:
+    """One probe of a mount, in a daemon thread: a stat that hangs (a wedged
+    server) must neither hold up the caller nor keep the process from exiting."""
+
+    def __init__(self, mountpoint: Path, fstype: str) -> None:
+        self.mountpoint = mountpoint
+        self.fstype = fstype
+        self.done = threading.Event()
+        self.reason: str | None = None
+        threading.Thread(target=self._run, name="mount-probe", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.reason = self._check()
+        finally:
+            self.done.set()
+
+    def _check(self) -> str | None:
+        path = self.mountpoint
+        # mountinfo first: it never touches the mount.
+        mount = mountinfo.current(path)
+        if mount is None:
+            return f"nothing is mounted on {path}"
+        if mount.fstype != self.fstype:
+            return f"{path} is a {mount.fstype} mount, not the {self.fstype} one"
+        try:
+            # stat may be answered from the kernel's attribute cache; statfs
+            # always goes to the server.
+            os.stat(path)
+            os.statvfs(path)
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN:
+                return f"the mount on {path} is disconnected (ENOTCONN): its server is gone"
+            if exc.errno != errno.ENOSYS:  # the server answered, without statfs
+                return f"the mount on {path} fails: {exc.strerror}"
+        return None
+
+
+class MountProbe:
+    """Whether the FUSE mount on `mountpoint` answers: mounted there (with
+    `fstype`), and a stat and a statfs of it come back within `timeout`.
+
+    While a probe hangs no second one is started: every check until it
+    returns reports the hang, so a wedged mount costs one stuck thread."""
+
+    def __init__(self, mountpoint: Path, fstype: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+        self.mountpoint = mountpoint
+        self.fstype = fstype
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._pending: _Stat | None = None
+
+    def check(self) -> str | None:
+        """None when the mount answers, else why not (one line)."""
+        with self._lock:
+            probe = self._pending
+            if probe is None or probe.done.is_set():
+                probe = self._pending = _Stat(self.mountpoint, self.fstype)
+        if not probe.done.wait(self.timeout):
+            return f"the mount on {self.mountpoint} did not answer within {self.timeout:g} s"
+        return probe.reason
+
+    async def answering(self, poll: float = 0.05) -> None:
+        """Return once the mount answers (from inside the server's trio loop,
+        which must keep answering the kernel meanwhile)."""
+        while (reason := await trio.to_thread.run_sync(self.check, abandon_on_cancel=True)) is not None:
+            log.debug("mount not answering yet", reason=reason)
+            await trio.sleep(poll)
+
+
+async def _serve(
+    fs: RemoteFS, mountpoint: Path, readahead: int, on_ready: Callable[[], None], on_stopping: Callable[[], None]
+) -> None:
     async with trio.open_nursery() as nursery:
 
         async def tune_readahead() -> None:
@@ -65,27 +144,42 @@ async def _serve(fs: RemoteFS, mountpoint: Path, readahead: int) -> None:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
                     log.info("stopping", signal=signal.Signals(signum).name)
+                    on_stopping()
                     if fs.filler is not None:
                         # While reads are still answered: a push may be waiting for one.
                         await trio.to_thread.run_sync(fs.filler.close)
                     pyfuse3.terminate()
                     return
 
+        async def announce_ready() -> None:
+            # After the kernel's INIT, and once a stat of the mount shows it.
+            await fs.initialized.wait()
+            await MountProbe(mountpoint, FSTYPE).answering()
+            on_ready()
+
         nursery.start_soon(stop_on_signal)
         nursery.start_soon(tune_readahead)
+        nursery.start_soon(announce_ready)
         await pyfuse3.main(max_tasks=MAX_FUSE_TASKS)
         nursery.cancel_scope.cancel()
 
 
-def _bind_metrics(address: str) -> None:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise MountError(f"metrics address {address!r} must be host:port")
-    prometheus_client.start_http_server(int(port), addr=host or "127.0.0.1")
+def run(
+    uri: str,
+    mountpoint: Path,
+    config: HdfsFuseConfig,
+    allow_other: bool = False,
+    *,
+    on_started: Callable[[Callable[[], str | None]], None] = lambda _health: None,
+    on_ready: Callable[[], None] = lambda: None,
+    on_stopping: Callable[[], None] = lambda: None,
+) -> None:
+    """Mount `uri` on `mountpoint` and serve until unmounted or signalled.
 
-
-def run(uri: str, mountpoint: Path, config: HdfsFuseConfig, allow_other: bool = False) -> None:
-    """Mount `uri` on `mountpoint` and serve until unmounted or signalled."""
+    `on_started(health)` once mounted (`health()`: None while the mount
+    answers, else why not; the application serves it with the metrics on
+    `metrics_address`); `on_ready()` once the mount answers; `on_stopping()`
+    when a signal starts the shutdown."""
     location = uri_mod.parse(uri)
     mountpoint = mountpoint.absolute()
     if not mountpoint.is_dir():
@@ -100,8 +194,7 @@ def run(uri: str, mountpoint: Path, config: HdfsFuseConfig, allow_other: bool = 
             options.add("allow_other")
         pyfuse3.init(fs, str(mountpoint), options)
         try:
-            if config.metrics_address:
-                _bind_metrics(config.metrics_address)
+            on_started(MountProbe(mountpoint, FSTYPE).check)
             log.info(
                 "mounted",
                 uri=str(location),
@@ -109,7 +202,7 @@ def run(uri: str, mountpoint: Path, config: HdfsFuseConfig, allow_other: bool = 
                 streams=config.streams,
                 stripe_size=config.stripe_size,
             )
-            trio.run(_serve, fs, mountpoint, config.kernel_readahead)
+            trio.run(_serve, fs, mountpoint, config.kernel_readahead, on_ready, on_stopping)
         finally:
             fs.close_all()
             pyfuse3.close(unmount=True)
@@ -141,7 +234,7 @@ def unmount(mountpoint: Path, lazy: bool = False, timeout: float = 10.0) -> None
     mount = mountinfo.current(mountpoint)
     if mount is None:
         raise MountError(f"{mountpoint} is not mounted")
-    if mount.fstype != "fuse.hdfs-fuse":
+    if mount.fstype != FSTYPE:
         raise MountError(f"{mountpoint} is a {mount.fstype} mount, not an hdfs-fuse one")
     argv = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(mountpoint)]
     result = subprocess.run(argv, capture_output=True, text=True, check=False)

@@ -124,11 +124,13 @@ class HotBlocks:
             if image.session is not None:
                 image.session.access(layer, block, now)
 
-    async def notify(self, name: str) -> None:
-        """The request file of image `name` was written: act on it."""
+    async def notify(self, name: str, request: ImageRequest | None = None) -> None:
+        """The request file of image `name` was written: act on it (`request`,
+        if the caller has read it already)."""
         # A small file the snapshotter has just written: reading it here is
         # quicker than a thread hop, and the snapshotter waits for this answer.
-        request = read_request(self.store, name)
+        if request is None:
+            request = read_request(self.store, name)
         if request is None or self._nursery is None:
             return
         image = self.images.get(request.image)
@@ -268,7 +270,8 @@ class HotBlocks:
                     if not layer.current:
                         continue
                     try:
-                        await layer.reader.ensure(run, Origin.HOT)
+                        # What it fetches counts for this image (bootseer_fs_image_prefetched_bytes_total).
+                        await layer.reader.ensure(run, Origin.HOT, image=image.request.image)
                     except BlockUnavailable as exc:
                         log.warning("prefetch failed", layer=layer_digest, blocks=run, error=str(exc))
                     continue

@@ -15,3 +15,9 @@ RPC_SECONDS = Histogram(
     ["method"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
 )
+LAYERS = Counter(
+    "bootseer_snapshotter_layers",
+    "Prepares that asked for a remote (lazily served) layer, by the path the layer took "
+    "(lazy: served through the layer server; normal: downloaded and unpacked) and why.",
+    ["path", "reason"],
+)

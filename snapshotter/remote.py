@@ -10,6 +10,7 @@ containerd asked for. Anything else leaves the layer to the normal path.
 
 from __future__ import annotations
 
+import enum
 import errno
 import io
 import os
@@ -30,6 +31,14 @@ from snapshotter.layer.artifact import index_blobs
 from snapshotter.layer.index import ARTIFACT_TYPE, IndexFormatError, LayerIndex
 from snapshotter.model import Snapshot
 from snapshotter.registry import artifact
+from snapshotter.registry.auth import CredentialsError
+from snapshotter.registry.errors import (
+    DeadlineExceeded,
+    NotFound,
+    RegistryError,
+    Unauthorized,
+    Unreachable,
+)
 from snapshotter.registry.media import Descriptor
 from snapshotter.registry.reference import Reference
 from snapshotter.registry.reference import parse as parse_reference
@@ -40,8 +49,57 @@ if TYPE_CHECKING:
 log = structlog.get_logger("bootseer.snapshotter")
 
 
+class Reason(enum.StrEnum):
+    """Why a Prepare that asked for a remote layer took the path it took: the
+    `reason` label of bootseer_snapshotter_layers_total. Few on purpose, so
+    each can be alerted on; the log line has the details."""
+
+    # path="lazy"
+    SERVED = "served"  # committed as a lazily served layer (or already was)
+    # path="normal"
+    LAZY_DISABLED = "lazy_disabled"  # [snapshotter] lazy = false (--no-lazy)
+    LAYER_SERVER_DOWN = "layer_server_down"  # nothing mounted, or the mount does not answer
+    NO_INDEX = "no_index"  # the image has no bootseer index: run `bootseer index`
+    LAYER_NOT_INDEXED = "layer_not_indexed"  # the index skipped this layer (zstd, unsafe names)
+    UNAUTHORIZED = "unauthorized"  # the registry wants credentials this node lacks (401/403)
+    NOT_FOUND = "not_found"  # the image or its index blob is gone from the registry
+    REGISTRY_UNREACHABLE = "registry_unreachable"  # no answer after the retries, or past the deadline
+    REGISTRY_ERROR = "registry_error"  # 5xx/429 after the retries, or an answer that is wrong
+    INDEX_REFUSED = "index_refused"  # the index does not decode, validate or match the layer
+    LAYER_REFUSED = "layer_refused"  # the layer server answered EIO for the layer, or does not show it
+    ERROR = "error"  # anything else (a full disk, a bug): see the log line
+
+    @property
+    def path(self) -> str:
+        return "lazy" if self is Reason.SERVED else "normal"
+
+
 class NotLazy(Exception):
-    """Why a layer takes the normal path; the message goes to the log."""
+    """Why a layer takes the normal path; the message goes to the log, the
+    reason to the layers metric."""
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def reason_of(exc: BaseException) -> Reason:
+    """The metric's reason for an exception out of the remote Prepare path."""
+    if isinstance(exc, NotLazy):
+        return exc.reason
+    if isinstance(exc, Unauthorized | CredentialsError):
+        return Reason.UNAUTHORIZED
+    if isinstance(exc, Unreachable | DeadlineExceeded):
+        return Reason.REGISTRY_UNREACHABLE
+    if isinstance(exc, NotFound):
+        return Reason.NOT_FOUND
+    if isinstance(exc, IndexFormatError):
+        # A stored index that no longer decodes.
+        return Reason.INDEX_REFUSED
+    if isinstance(exc, RegistryError):
+        # ServerError, DigestMismatch and whatever else the registry client raises.
+        return Reason.REGISTRY_ERROR
+    return Reason.ERROR
 
 
 @dataclass(frozen=True)
@@ -91,7 +149,7 @@ class RemoteLayers:
 
     def prepare(self, wanted: RemoteLayerLabels) -> LazyLayer:
         if not os.path.ismount(self.mountpoint):
-            raise NotLazy(f"the FUSE layer server is not mounted at {self.mountpoint}")
+            raise NotLazy(Reason.LAYER_SERVER_DOWN, f"the FUSE layer server is not mounted at {self.mountpoint}")
         layer_digest = wanted.layer_digest
         ref = parse_reference(wanted.image_ref)
         manifest_digest = wanted.manifest_digest or self._resolve(ref)
@@ -106,10 +164,12 @@ class RemoteLayers:
             shown = control.lookup(self.mountpoint, name)
         except OSError as exc:
             if exc.errno == errno.EIO:
-                raise NotLazy(f"the layer server refused layer {name} (see its log)") from None
-            raise NotLazy(f"the layer server at {self.mountpoint} does not answer: {exc.strerror}") from None
+                raise NotLazy(Reason.LAYER_REFUSED, f"the layer server refused layer {name} (see its log)") from None
+            raise NotLazy(
+                Reason.LAYER_SERVER_DOWN, f"the layer server at {self.mountpoint} does not answer: {exc.strerror}"
+            ) from None
         if not shown:
-            raise NotLazy(f"the layer server does not show layer {name} at {path}")
+            raise NotLazy(Reason.LAYER_REFUSED, f"the layer server does not show layer {name} at {path}")
         self._announce(ref, manifest_digest, layer_digest)
         return LazyLayer(path=path, index=index)
 
@@ -176,16 +236,20 @@ class RemoteLayers:
         blobs = self._index_blobs(ref, manifest_digest)
         blob = blobs.get(layer_digest)
         if blob is None:
-            raise NotLazy(f"the index artifact of {manifest_digest} has no entry for {layer_digest}")
+            raise NotLazy(
+                Reason.LAYER_NOT_INDEXED, f"the index artifact of {manifest_digest} has no entry for {layer_digest}"
+            )
         buffer = io.BytesIO()
         self.client.fetch_blob(ref, blob.digest, buffer)
         encoded = buffer.getvalue()
         try:
             index = LayerIndex.decode(encoded)
         except IndexFormatError as exc:
-            raise NotLazy(f"the index of {layer_digest} is unusable: {exc}") from None
+            raise NotLazy(Reason.INDEX_REFUSED, f"the index of {layer_digest} is unusable: {exc}") from None
         if index.layer_digest != layer_digest:
-            raise NotLazy(f"the index {blob.digest} describes {index.layer_digest}, not {layer_digest}")
+            raise NotLazy(
+                Reason.INDEX_REFUSED, f"the index {blob.digest} describes {index.layer_digest}, not {layer_digest}"
+            )
         return index, encoded
 
     def _index_blobs(self, ref: Reference, manifest_digest: str) -> dict[str, Descriptor]:
@@ -195,7 +259,9 @@ class RemoteLayers:
             return cached
         blobs = index_blobs(artifact.referrers(self.client, ref, manifest_digest, ARTIFACT_TYPE))
         if not blobs:
-            raise NotLazy(f"image {ref} ({manifest_digest}) has no bootseer index; run `bootseer index {ref}`")
+            raise NotLazy(
+                Reason.NO_INDEX, f"image {ref} ({manifest_digest}) has no bootseer index; run `bootseer index {ref}`"
+            )
         with self._lock:
             self._artifacts[manifest_digest] = blobs
         return blobs

@@ -1,18 +1,24 @@
-"""The snapshotter daemon: the gRPC service on a unix socket, metrics,
-signals; and, with `[cri] address` set, the CRI image-service proxy
-(snapshotter.cri) on its own socket."""
+"""The snapshotter daemon: the gRPC service on a unix socket, signals,
+readiness and health; and, with `[cri] address` set, the CRI image-service
+proxy (snapshotter.cri) on its own socket.
+
+The application serves the metrics and health endpoint (`metrics_address`)
+and tells the service manager about readiness, through the callbacks
+`serve` takes."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
+import time
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
-import prometheus_client
 import structlog
 
 from proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc
@@ -34,13 +40,10 @@ log = structlog.get_logger("bootseer.snapshotter")
 # containerd issues many calls at once while unpacking and garbage collecting.
 WORKERS = 16
 SHUTDOWN_GRACE_S = 5.0
-
-
-def _bind_metrics(address: str) -> None:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"metrics address {address!r} must be host:port")
-    prometheus_client.start_http_server(int(port), addr=host or "127.0.0.1")
+# How long a health check waits for a socket to accept a connection.
+HEALTH_TIMEOUT_S = 2.0
+# How long the sockets may take to accept after the servers started.
+READY_TIMEOUT_S = 10.0
 
 
 def _prepare_socket(path: Path) -> None:
@@ -76,41 +79,133 @@ def _cri_proxy(cri: CriConfig, registry: RegistryConfig) -> CriProxy | None:
     return CriProxy(Path(cri.address), cri.containerd_address, store, registry_accepts(registry))
 
 
-def serve(config: SnapshotterConfig, fs: FsConfig, registry: RegistryConfig, cri: CriConfig | None = None) -> None:
-    """Serve until SIGTERM or SIGINT."""
+def socket_refuses(path: Path, timeout: float = HEALTH_TIMEOUT_S) -> str | None:
+    """None if something accepts a connection on the unix socket `path`,
+    else why not."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            return f"{path} does not accept connections: {exc.strerror or exc}"
+    return None
+
+
+def _wait_accepting(paths: Sequence[Path], timeout: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while (reason := next(filter(None, map(socket_refuses, paths)), None)) is not None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not ready after {timeout:.0f} s: {reason}")
+        time.sleep(0.01)
+
+
+class _Health:
+    """The snapshotter can do its job: its metadata store answers a read
+    transaction and is still the file on disk, and its sockets accept."""
+
+    def __init__(self, snapshotter: Snapshotter, sockets: Sequence[Path]) -> None:
+        self._snapshotter = snapshotter
+        self._sockets = tuple(sockets)
+        self._data_file = snapshotter.store.path / "data.mdb"
+        self._identity = self._file_identity()
+        # The store is closed at shutdown while a check may be running.
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _file_identity(self) -> tuple[int, int]:
+        st = os.stat(self._data_file)
+        return st.st_dev, st.st_ino
+
+    def __call__(self) -> str | None:
+        with self._lock:
+            if self._closed:
+                return "the snapshotter has stopped"
+            try:
+                with self._snapshotter.store.read() as txn:
+                    txn.get("\x00health")
+            except Exception as exc:
+                return f"the metadata store {self._snapshotter.store.path} cannot be read: {exc}"
+        try:
+            replaced = self._file_identity() != self._identity
+        except OSError as exc:
+            replaced, why = True, exc.strerror
+        else:
+            why = "replaced"
+        if replaced:
+            return (
+                f"the metadata store {self._data_file} was removed or replaced while open ({why}): "
+                "what is recorded from now on is lost at the next start"
+            )
+        for path in self._sockets:
+            if (reason := socket_refuses(path)) is not None:
+                return reason
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+
+def serve(
+    config: SnapshotterConfig,
+    fs: FsConfig,
+    registry: RegistryConfig,
+    cri: CriConfig | None = None,
+    *,
+    on_started: Callable[[Callable[[], str | None]], None] = lambda _health: None,
+    on_ready: Callable[[], None] = lambda: None,
+    on_stopping: Callable[[], None] = lambda: None,
+) -> None:
+    """Serve until SIGTERM or SIGINT.
+
+    `on_started(health)` once the store is open and the servers run
+    (`health()`: None when healthy, else why not); `on_ready()` once every
+    socket accepts; `on_stopping()` when a signal starts the shutdown."""
     snapshotter = Snapshotter(config.root, _remote_layers(config, fs, registry))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS))
     pb_grpc.add_SnapshotsServicer_to_server(SnapshotsService(snapshotter), server)
-    _prepare_socket(config.address)
-    server.add_insecure_port(f"unix://{config.address.resolve()}")
-    server.start()
-    os.chmod(config.address, 0o660)
     proxy = _cri_proxy(cri or CriConfig(), registry)
-    if proxy is not None:
-        proxy.start()
-    if config.metrics_address:
-        _bind_metrics(config.metrics_address)
-
+    # Only what this process bound is removed at the end.
+    bound: list[Path] = []
+    health: _Health | None = None
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("stopping", signal=signal.Signals(signum).name)
+        on_stopping()
         stopping.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    log.info(
-        "serving",
-        address=str(config.address),
-        root=str(config.root),
-        lazy=config.lazy,
-        metrics=config.metrics_address or None,
-        cri=(cri.address if cri else "") or None,
-    )
-    stopping.wait()
-    if proxy is not None:
-        proxy.stop()
-    server.stop(SHUTDOWN_GRACE_S).wait()
-    snapshotter.close()
-    config.address.unlink(missing_ok=True)
-    log.info("stopped")
+    try:
+        _prepare_socket(config.address)
+        server.add_insecure_port(f"unix://{config.address.resolve()}")
+        server.start()
+        bound.append(config.address)
+        os.chmod(config.address, 0o660)
+        if proxy is not None:
+            proxy.start()
+            bound.append(proxy.address)
+        health = _Health(snapshotter, bound)
+        on_started(health)
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        _wait_accepting(bound)
+        log.info(
+            "serving",
+            address=str(config.address),
+            root=str(config.root),
+            lazy=config.lazy,
+            metrics=config.metrics_address or None,
+            cri=(cri.address if cri else "") or None,
+        )
+        on_ready()
+        stopping.wait()
+    finally:
+        if proxy is not None and proxy.address in bound:
+            proxy.stop()
+        server.stop(SHUTDOWN_GRACE_S).wait()
+        if health is not None:
+            health.close()
+        snapshotter.close()
+        if config.address in bound:
+            config.address.unlink(missing_ok=True)
+        log.info("stopped")

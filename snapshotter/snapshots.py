@@ -30,7 +30,7 @@ from pathlib import Path
 
 import structlog
 
-from snapshotter import filters
+from snapshotter import filters, metrics
 from snapshotter import labels as label_keys
 from snapshotter.errors import (
     AlreadyExists,
@@ -43,13 +43,17 @@ from snapshotter.errors import (
 from snapshotter.labels import RemoteLayerLabels
 from snapshotter.model import Kind, Snapshot, validate_key, validate_labels
 from snapshotter.mounts import Mount, snapshot_mounts
-from snapshotter.remote import LazyLayer, RemoteLayers
+from snapshotter.remote import LazyLayer, Reason, RemoteLayers, reason_of
 from snapshotter.store import MetadataStore, Txn
 from snapshotter.usage import TreeChanged, TreeError, Usage, disk_usage, remove_tree
 
 log = structlog.get_logger("bootseer.snapshotter")
 
 _INDEX_PARAM = Path("/sys/module/overlay/parameters/index")
+
+# Every series exists from the start, at zero: an alert on a rate of
+# `path="normal"` sees its first fallback.
+_LAYERS = {reason: metrics.LAYERS.labels(reason.path, reason.value) for reason in Reason}
 
 
 class Snapshotter:
@@ -79,9 +83,13 @@ class Snapshotter:
     # -- creating ---------------------------------------------------------
 
     def prepare(self, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
-        remote = RemoteLayerLabels.parse(labels) if self.remote is not None else None
+        remote = RemoteLayerLabels.parse(labels)
         if remote is not None:
-            self._try_remote(key, parent, labels, remote)
+            if self.remote is None:
+                # Chosen by the admin: counted, not warned about.
+                _LAYERS[Reason.LAZY_DISABLED].inc()
+            else:
+                self._try_remote(key, parent, labels, remote)
         return self._create(Kind.ACTIVE, key, parent, labels)
 
     def _try_remote(self, key: str, parent: str, labels: dict[str, str], remote: RemoteLayerLabels) -> None:
@@ -97,15 +105,31 @@ class Snapshotter:
         with self.store.read() as txn:
             existing = txn.get(name)
         if existing is not None and existing.parent == parent:
+            _LAYERS[Reason.SERVED].inc()
             raise AlreadyExists(f"target snapshot {target!r} is already served lazily as {name!r}")
         try:
             lazy = self.remote.prepare(remote)
             self._commit_remote(name, parent, {**labels, label_keys.REMOTE: "true"}, lazy)
         except AlreadyExists:
+            # Committed meanwhile by a Prepare of the same layer: served lazily all the same.
+            _LAYERS[Reason.SERVED].inc()
             raise
         except Exception as exc:
-            log.info("layer takes the normal path", target=target, reason=str(exc))
+            # The pull goes on (containerd downloads the layer), but a node
+            # that was meant to pull lazily should say that it does not.
+            reason = reason_of(exc)
+            _LAYERS[reason].inc()
+            log.warning(
+                "layer takes the normal path",
+                target=target,
+                image=remote.image_ref,
+                layer=remote.layer_digest,
+                reason=reason.value,
+                error=str(exc),
+                **({"exc_info": exc} if reason is Reason.ERROR else {}),
+            )
             return
+        _LAYERS[Reason.SERVED].inc()
         log.info("layer served lazily", target=target, snapshot=name, layer=str(lazy.path))
         raise AlreadyExists(f"target snapshot {target!r} is served lazily as {name!r}")
 

@@ -138,12 +138,17 @@ def _release(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from bootseer.daemon import Daemon
     from depsnap.daemon import AlreadyServing, serve
 
-    try:
-        serve(_settings(args, *_NODE_FLAGS, "metrics_address"))
-    except AlreadyServing as exc:
-        raise CommandError(str(exc)) from None
+    settings = _settings(args, *_NODE_FLAGS, "metrics_address")
+    status = f"serving dependency snapshots on {settings.socket}, node cache in {settings.cache_dir}"
+    # An empty metrics host is every interface here, as it always was for depsnap.
+    with Daemon("the depsnap daemon", status, settings.metrics_address, default_host="0.0.0.0") as daemon:
+        try:
+            serve(settings, on_started=daemon.started, on_ready=daemon.ready, on_stopping=daemon.stopping)
+        except AlreadyServing as exc:
+            raise CommandError(str(exc)) from None
     return 0
 
 

@@ -61,7 +61,21 @@ def _mount(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     if args.foreground:
-        mount.run(args.uri, args.mountpoint, settings, allow_other=args.allow_other)
+        from bootseer.daemon import Daemon
+        from hdfs_fuse.uri import parse
+
+        # The URI as the daemon logs it.
+        status = f"serving {parse(args.uri)} read-only on {args.mountpoint.absolute()}"
+        with Daemon("the hdfs-fuse mount", status, settings.metrics_address) as daemon:
+            mount.run(
+                args.uri,
+                args.mountpoint,
+                settings,
+                allow_other=args.allow_other,
+                on_started=daemon.started,
+                on_ready=daemon.ready,
+                on_stopping=daemon.stopping,
+            )
         return 0
     child = ["hdfs-fuse", "mount", "--foreground", args.uri, str(args.mountpoint.absolute())]
     for f in dataclasses.fields(HdfsFuseConfig):

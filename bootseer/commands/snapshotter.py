@@ -11,6 +11,7 @@ from snapshotter.layer.index import DEFAULT_SPAN, MAX_BLOCK_BYTES
 
 
 def _run(args: argparse.Namespace) -> int:
+    from bootseer.daemon import Daemon
     from snapshotter.server import serve
 
     cfg = load_config(args)
@@ -18,20 +19,35 @@ def _run(args: argparse.Namespace) -> int:
     override(cfg.fs, args, store="fs_store", mountpoint="fs_mountpoint")
     override(cfg.cri, args, address="cri_address", containerd_address="cri_containerd_address")
     override(cfg.registry, args, cri_credentials="cri_credentials")
-    serve(cfg.snapshotter, cfg.fs, cfg.registry, cfg.cri)
+    status = f"serving containerd snapshots on {cfg.snapshotter.address}, state in {cfg.snapshotter.root}"
+    if cfg.cri.address:
+        status += f"; CRI image service proxy on {cfg.cri.address}"
+    with Daemon("the snapshotter", status, cfg.snapshotter.metrics_address) as daemon:
+        serve(
+            cfg.snapshotter,
+            cfg.fs,
+            cfg.registry,
+            cfg.cri,
+            on_started=daemon.started,
+            on_ready=daemon.ready,
+            on_stopping=daemon.stopping,
+        )
     return 0
 
 
 def _run_layer_server(args: argparse.Namespace) -> int:
+    from bootseer.daemon import Daemon
     from snapshotter.fs.server import MountpointBusy, serve
 
     cfg = load_config(args)
     override(cfg.fs, args, store="store", mountpoint="mountpoint", metrics_address="metrics_address")
     override(cfg.registry, args, cri_credentials="cri_credentials")
-    try:
-        serve(cfg.fs, cfg.registry)
-    except MountpointBusy as exc:
-        raise CommandError(str(exc)) from None
+    status = f"serving lazily pulled layers on {cfg.fs.mountpoint} from {cfg.fs.store}"
+    with Daemon("the layer server", status, cfg.fs.metrics_address) as daemon:
+        try:
+            serve(cfg.fs, cfg.registry, on_started=daemon.started, on_ready=daemon.ready, on_stopping=daemon.stopping)
+        except MountpointBusy as exc:
+            raise CommandError(str(exc)) from None
     return 0
 
 

@@ -3,7 +3,8 @@ their blocks (adjacent ones merged into one Range request), verify and
 decompress them, write them to the cache, then read.
 
 A block is fetched once however many readers want it: the first starts the
-fetch, the others wait for it.
+fetch, the others wait for it. Readers waiting so are counted while they
+wait (bootseer_fs_read_waits) and timed (bootseer_fs_read_wait_seconds).
 
 A read waits on the registry until its deadline (`[fs] fetch_deadline_s`
 after it began), then gets EIO, whatever retries the fetch is in: the
@@ -85,6 +86,8 @@ class _Flight:
     done: trio.Event = field(default_factory=trio.Event)
     error: Exception | None = None
     demanded: bool = False  # a reader waited for it
+    # The image a hot-block prefetch fetches it for: its bytes count for that image.
+    image: str | None = None
     # The block's bytes when the cache could not take them: its readers get these.
     uncached: bytes | None = None
 
@@ -102,6 +105,7 @@ class LayerReader:
         prefetch_limiter: trio.CapacityLimiter,
         background_limiter: trio.CapacityLimiter,
         on_access: Callable[[str, int], None] | None = None,
+        on_fetched: Callable[[str, int, str | None, bool], None] | None = None,
     ) -> None:
         self.name = name
         self.cache_key = cache_key
@@ -133,6 +137,10 @@ class LayerReader:
         # Blocks the hot-block prefetcher brought in do not: it is ahead already.
         self.readahead_marks: set[int] = set()
         self.on_access = on_access
+        # Told (layer digest, compressed bytes, image if the fetch knows it,
+        # prefetched) of every range fetched and every block the hot-block
+        # prefetcher brought in: the per-image byte counts.
+        self.on_fetched = on_fetched
         # Prefetched blocks no reader has asked for yet (the prefetch waste).
         self.unread_prefetched: set[int] = set()
 
@@ -258,13 +266,19 @@ class LayerReader:
             metrics.BLOCK_READS.labels("miss").inc()
 
     async def ensure(
-        self, numbers: range | list[int], origin: Origin = Origin.READ, deadline: float | None = None
+        self,
+        numbers: range | list[int],
+        origin: Origin = Origin.READ,
+        deadline: float | None = None,
+        image: str | None = None,
     ) -> dict[int, bytes]:
         """Return once every block in `numbers` is cached, with the bytes of
         those the cache could not take, by number; raise BlockUnavailable if
         one can't be fetched, or by `deadline` (time.monotonic()) if one is
         given. A block already on its way is waited for, not fetched again.
-        Without a deadline (prefetches) each fetch is bounded on its own."""
+        Without a deadline (prefetches) each fetch is bounded on its own.
+        `image`: the image a prefetch is for, whose bytes the fetches it
+        starts count for."""
         to_fetch: list[int] = []
         waits: list[tuple[int, _Flight]] = []
         for n in numbers:
@@ -272,13 +286,36 @@ class LayerReader:
                 continue
             flight = self.inflight.get(n)
             if flight is None:
-                flight = self.inflight[n] = _Flight(origin=origin)
+                flight = self.inflight[n] = _Flight(origin=origin, image=image)
                 to_fetch.append(n)
             waits.append((n, flight))
+        if not waits:
+            # All cached (every block to fetch is waited for too).
+            return {}
+        if origin is not Origin.READ:
+            return await self._wait(to_fetch, waits, origin, deadline, image)
+        # A reader waits on the registry: what admins watch for.
+        metrics.READ_WAITS.inc()
+        began = time.monotonic()
+        try:
+            return await self._wait(to_fetch, waits, origin, deadline, image)
+        finally:
+            metrics.READ_WAITS.dec()
+            metrics.READ_WAIT_SECONDS.observe(time.monotonic() - began)
+
+    async def _wait(
+        self,
+        to_fetch: list[int],
+        waits: list[tuple[int, _Flight]],
+        origin: Origin,
+        deadline: float | None,
+        image: str | None,
+    ) -> dict[int, bytes]:
+        """Fetch `to_fetch`, then wait for every flight in `waits` (ensure)."""
         if to_fetch:
             async with trio.open_nursery() as nursery:
                 for run in fetch_runs(to_fetch, self.index.blocks):
-                    nursery.start_soon(self._fetch_run, run, origin, deadline)
+                    nursery.start_soon(self._fetch_run, run, origin, deadline, image)
         uncached: dict[int, bytes] = {}
         for n, flight in waits:
             # Only a wait that has to block may time out: a block that landed
@@ -297,14 +334,14 @@ class LayerReader:
                 uncached[n] = flight.uncached
         return uncached
 
-    async def _fetch_run(self, run: list[int], origin: Origin, deadline: float | None) -> None:
+    async def _fetch_run(self, run: list[int], origin: Origin, deadline: float | None, image: str | None) -> None:
         # Blocks land one by one as they are stored; what is left here when
         # the attempts run out, or the deadline passes, gets the error.
         remaining = list(run)
         try:
             for attempt in range(1, VERIFY_ATTEMPTS + 1):
                 try:
-                    await self._fetch_and_store(remaining, origin, deadline)
+                    await self._fetch_and_store(remaining, origin, deadline, image)
                     return
                 except BlockVerificationError as exc:
                     metrics.VERIFY_FAILURES.inc()
@@ -337,12 +374,16 @@ class LayerReader:
             block = self.index.blocks[number]
             metrics.PREFETCHED_BLOCKS.inc()
             metrics.PREFETCHED_BYTES.inc(block.cend - block.cstart)
+            if self.on_fetched is not None:
+                self.on_fetched(self.index.layer_digest, block.cend - block.cstart, flight.image, True)
             if cached and not flight.demanded:
                 self.unread_prefetched.add(number)
                 metrics.PREFETCH_UNREAD.inc()
         flight.done.set()
 
-    async def _fetch_and_store(self, remaining: list[int], origin: Origin, deadline: float | None) -> None:
+    async def _fetch_and_store(
+        self, remaining: list[int], origin: Origin, deadline: float | None, image: str | None
+    ) -> None:
         """Fetch the contiguous blocks in `remaining` with one Range request,
         then verify, decode and land them in parallel, removing each from
         `remaining` as it lands."""
@@ -350,6 +391,8 @@ class LayerReader:
         start, end = blocks[remaining[0]].cstart, blocks[remaining[-1]].cend
         data = await self._fetch_range(start, end, origin, deadline)
         metrics.FETCHED_BYTES.inc(len(data))
+        if self.on_fetched is not None:
+            self.on_fetched(self.index.layer_digest, len(data), image, False)
         if len(data) != end - start:
             raise BlockVerificationError(f"range {start}-{end} answered with {len(data)} bytes")
 

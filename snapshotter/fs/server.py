@@ -1,7 +1,10 @@
 """The FUSE layer server process (`bootseer layer-server`).
 
 It runs apart from the snapshotter so that restarting the snapshotter leaves
-the mount, and every running container's lower layers, in place.
+the mount, and every running container's lower layers, in place. The
+application serves its metrics and health endpoint (`[fs] metrics_address`)
+and tells the service manager about readiness, through the callbacks `serve`
+takes.
 """
 
 from __future__ import annotations
@@ -11,14 +14,14 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-import prometheus_client
 import pyfuse3
 import structlog
 import trio
 
-from hdfs_fuse.mount import set_kernel_readahead
+from hdfs_fuse.mount import MountProbe, set_kernel_readahead
 from recorder.localstore import LocalManifests
 from recorder.tracker import HotBlocks, HotBlockSettings
 from snapshotter.fs.blockindex import BlockIndex
@@ -34,6 +37,7 @@ log = structlog.get_logger("bootseer.fs")
 
 KERNEL_READAHEAD = 8 << 20
 MOUNT_OPTIONS = ("fsname=bootseer", "subtype=bootseer", "ro", "allow_other", "default_permissions")
+FSTYPE = "fuse.bootseer"
 
 
 class MountpointBusy(Exception):
@@ -62,7 +66,20 @@ def _clear_stale_mount(mountpoint: Path) -> None:
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-def serve(fs: FsConfig, registry: RegistryConfig) -> None:
+def serve(
+    fs: FsConfig,
+    registry: RegistryConfig,
+    *,
+    on_started: Callable[[Callable[[], str | None]], None] = lambda _health: None,
+    on_ready: Callable[[], None] = lambda: None,
+    on_stopping: Callable[[], None] = lambda: None,
+) -> None:
+    """Mount and serve until SIGTERM or SIGINT.
+
+    `on_started(health)` once mounted (`health()`: None while the mount
+    answers a stat and a statfs within 2 s, else why not); `on_ready()` once
+    the kernel's INIT is answered and the mount answers; `on_stopping()` when
+    a signal starts the shutdown."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     store = LayerStore(fs.store)
     block_index = BlockIndex(store.block_index_path)
@@ -103,12 +120,10 @@ def serve(fs: FsConfig, registry: RegistryConfig) -> None:
     fs.mountpoint.mkdir(parents=True, exist_ok=True)
     options = set(pyfuse3.default_options) | set(MOUNT_OPTIONS)
     pyfuse3.init(ops, str(fs.mountpoint), options)
-    if fs.metrics_address:
-        host, _, port = fs.metrics_address.rpartition(":")
-        prometheus_client.start_http_server(int(port), addr=host or "127.0.0.1")
-    log.info("serving layers", mountpoint=str(fs.mountpoint), store=str(fs.store))
     try:
-        trio.run(_main, ops, fs.mountpoint, hot)
+        on_started(MountProbe(fs.mountpoint, FSTYPE).check)
+        log.info("serving layers", mountpoint=str(fs.mountpoint), store=str(fs.store))
+        trio.run(_main, ops, fs.mountpoint, hot, on_ready, on_stopping)
     finally:
         pyfuse3.close(unmount=True)
         ops.close()
@@ -126,9 +141,23 @@ async def _tune_readahead(ops: LayerFS, mountpoint: Path) -> None:
     await trio.to_thread.run_sync(set_kernel_readahead, mountpoint, KERNEL_READAHEAD)
 
 
-async def _main(ops: LayerFS, mountpoint: Path, hot: HotBlocks | None) -> None:
+async def _announce_ready(ops: LayerFS, mountpoint: Path, on_ready: Callable[[], None]) -> None:
+    # After the kernel's INIT, and once a stat of the mountpoint shows the mount.
+    await ops.initialized.wait()
+    await MountProbe(mountpoint, FSTYPE).answering()
+    on_ready()
+
+
+async def _main(
+    ops: LayerFS,
+    mountpoint: Path,
+    hot: HotBlocks | None,
+    on_ready: Callable[[], None],
+    on_stopping: Callable[[], None],
+) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pyfuse3.main)
+        nursery.start_soon(_announce_ready, ops, mountpoint, on_ready)
         if hot is not None:
             nursery.start_soon(hot.run)
         nursery.start_soon(_tune_readahead, ops, mountpoint)
@@ -137,5 +166,6 @@ async def _main(ops: LayerFS, mountpoint: Path, hot: HotBlocks | None) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log.info("stopping", signal=signal.Signals(signum).name)
+                on_stopping()
                 nursery.cancel_scope.cancel()
                 return

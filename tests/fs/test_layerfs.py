@@ -99,7 +99,7 @@ def test_tree_matches_the_tar(mount_layers: Callable[..., Mounted], tmp_path: Pa
     with pytest.raises(OSError) as exc:
         os.open(root / "etc/config.json", os.O_RDWR)
     assert exc.value.errno in (errno.EROFS, errno.EACCES)
-    assert os.statvfs(root).f_bsize == 4096
+    assert os.statvfs(root).f_bsize == os.statvfs(store_dir).f_bsize
 
 
 def test_reads_fetch_only_the_blocks_they_touch(mount_layers: Callable[..., Mounted], tmp_path: Path) -> None:
@@ -388,3 +388,76 @@ def test_a_full_layer_store_loses_nothing(
     unmount(m)
     again = mount_layers({digest: source}, store_dir)
     assert (again.layer(digest) / "weights").read_bytes() == data
+
+
+def _statfs(path: Path) -> tuple[int, ...]:
+    st = os.statvfs(path)
+    return (
+        st.f_bsize,
+        st.f_frsize,
+        st.f_blocks,
+        st.f_bfree,
+        st.f_bavail,
+        st.f_files,
+        st.f_ffree,
+        st.f_favail,
+        st.f_namemax,
+    )
+
+
+def test_statfs_is_the_layer_store_filesystem(
+    small_tmpfs: Callable[[int], Path], mount_layers: Callable[..., Mounted], tmp_path: Path
+) -> None:
+    # A disk of its own: nothing else changes it between two statfs calls.
+    disk = small_tmpfs(16 << 20)
+    store_dir = disk / "store"
+    blob = make_layer([(info("weights", size=1 << 20), random.Random(29).randbytes(1 << 20))])
+    digest = add_layer(LayerStore(store_dir), tmp_path, blob, SPAN)
+    m = mount_layers({digest: Blob(blob)}, store_dir)
+    assert _statfs(m.mountpoint) == _statfs(disk)
+    mounted = os.statvfs(m.mountpoint)
+    assert mounted.f_blocks * mounted.f_frsize == 16 << 20 and mounted.f_bavail > 0
+    # Less room on the store is less room on the mount: what kubelet's image
+    # garbage collection goes by.
+    filler = fill(disk, leave=1 << 20)
+    assert _statfs(m.mountpoint) == _statfs(disk)
+    assert os.statvfs(m.mountpoint).f_bavail < mounted.f_bavail
+    filler.unlink()
+    assert _statfs(m.mountpoint) == _statfs(disk)
+
+
+def test_statfs_follows_a_busy_disk(mount_layers: Callable[..., Mounted], tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    blob = make_layer([(info("ok", size=5), b"hello")])
+    digest = add_layer(LayerStore(store_dir), tmp_path, blob, SPAN)
+    m = mount_layers({digest: Blob(blob)}, store_dir)
+    mounted, store = os.statvfs(m.mountpoint), os.statvfs(store_dir)
+    # Other writers share this disk: its size is fixed, its free space is not.
+    assert (mounted.f_bsize, mounted.f_frsize, mounted.f_blocks, mounted.f_files, mounted.f_namemax) == (
+        store.f_bsize,
+        store.f_frsize,
+        store.f_blocks,
+        store.f_files,
+        store.f_namemax,
+    )
+    assert mounted.f_bavail > 0 and abs(mounted.f_bavail - store.f_bavail) <= store.f_blocks // 100
+
+
+def test_statfs_answers_when_the_store_cannot(mount_layers: Callable[..., Mounted], tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    data = random.Random(31).randbytes(1 << 20)
+    blob = make_layer([(info("weights", size=len(data)), data)])
+    digest = add_layer(LayerStore(store_dir), tmp_path, blob, SPAN)
+    m = mount_layers({digest: Blob(blob)}, store_dir)
+    assert (m.layer(digest) / "weights").stat().st_size == len(data)
+    # The store's directory is gone from under the server (its open files stay).
+    store_dir.rename(tmp_path / "moved")
+    try:
+        st = os.statvfs(m.mountpoint)
+    finally:
+        (tmp_path / "moved").rename(store_dir)
+    # overlayfs needs an answer: what the served layers hold, no room left.
+    assert st.f_bsize == 4096 and st.f_blocks >= len(data) // 4096
+    assert st.f_bfree == st.f_bavail == 0
+    # Back in place: the real filesystem again.
+    assert os.statvfs(m.mountpoint).f_blocks == os.statvfs(store_dir).f_blocks

@@ -3,23 +3,34 @@ mounts), as containerd's overlayfs snapshotter defines them."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import gzip
+import io
 import itertools
 import os
 import resource
 import struct
+import tarfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
+import prometheus_client
 import pytest
 from structlog.testing import capture_logs
 
+from snapshotter import labels as label_keys
 from snapshotter.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from snapshotter.fs.layers import LayerStore
+from snapshotter.labels import RemoteLayerLabels
+from snapshotter.layer.build import build_index
+from snapshotter.layer.index import IndexFormatError
 from snapshotter.model import Kind, Snapshot
-from snapshotter.remote import RemoteLayers
+from snapshotter.registry import errors as registry_errors
+from snapshotter.registry.auth import CredentialsError
+from snapshotter.remote import LazyLayer, NotLazy, Reason, RemoteLayers
 from snapshotter.snapshots import Snapshotter
 from snapshotter.store import MetadataStore
 from snapshotter.usage import Usage
@@ -312,3 +323,142 @@ def test_full_metadata_store_says_so(tmp_path: Path) -> None:
                     txn.put(Snapshot(key=f"k{n}", id=n, kind=Kind.COMMITTED, labels={"l": "v" * 1000}))
     finally:
         store.close()
+
+
+# -- the remote Prepare path: which path a layer takes, and why -------------
+
+LAYER = "sha256:" + "1" * 64
+
+
+def _remote_labels(target: str) -> dict[str, str]:
+    return {
+        label_keys.TARGET_REF: target,
+        label_keys.IMAGE_REF: "registry.example.com/team/train:v3",
+        label_keys.LAYER_DIGEST: LAYER,
+        label_keys.MANIFEST_DIGEST: "sha256:" + "2" * 64,
+    }
+
+
+def _layers(path: str, reason: str) -> float:
+    sample = prometheus_client.REGISTRY.get_sample_value(
+        "bootseer_snapshotter_layers_total", {"path": path, "reason": reason}
+    )
+    assert sample is not None, f"no series for path={path} reason={reason}"
+    return sample
+
+
+class _FailingRemote(RemoteLayers):
+    """The remote path failing the way a registry or the layer server would."""
+
+    error: Exception = RuntimeError("unset")
+
+    def prepare(self, wanted: RemoteLayerLabels) -> LazyLayer:
+        raise self.error
+
+
+_AT = {"host": "registry.example.com", "repository": "team/train"}
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (NotLazy(Reason.NO_INDEX, "image has no bootseer index"), "no_index"),
+        (NotLazy(Reason.LAYER_REFUSED, "the layer server refused layer"), "layer_refused"),
+        (registry_errors.Unauthorized("answered 401", **_AT), "unauthorized"),
+        (CredentialsError("config.json: cannot read docker config"), "unauthorized"),
+        (registry_errors.Unreachable("connection refused", **_AT), "registry_unreachable"),
+        (registry_errors.DeadlineExceeded("no time left", **_AT), "registry_unreachable"),
+        (registry_errors.NotFound("manifest unknown", **_AT), "not_found"),
+        (registry_errors.ServerError("answered 503", **_AT), "registry_error"),
+        (registry_errors.DigestMismatch("bytes do not match", **_AT), "registry_error"),
+        (IndexFormatError("truncated"), "index_refused"),
+        (OSError(errno.ENOSPC, "No space left on device"), "error"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else type(v).__name__,
+)
+def test_a_layer_that_falls_back_is_counted_and_warned_about_with_its_reason(
+    tmp_path: Path, error: Exception, reason: str
+) -> None:
+    remote = _FailingRemote(LayerStore(tmp_path / "layers"), tmp_path / "m", _no_registry, 0)
+    remote.error = error
+    snaps = Snapshotter(tmp_path / "root", remote)
+    try:
+        before = _layers("normal", reason)
+        with capture_logs() as logs:
+            mounts = snaps.prepare("default/1/extract", "", _remote_labels("chain-1"))
+        # The layer takes the normal path: an active snapshot for containerd to unpack into.
+        assert mounts and snaps.stat("default/1/extract").kind == Kind.ACTIVE
+    finally:
+        snaps.close()
+    assert _layers("normal", reason) == before + 1
+    [warning] = [e for e in logs if e["event"] == "layer takes the normal path"]
+    assert warning["log_level"] == "warning"
+    assert warning["reason"] == reason
+    assert warning["layer"] == LAYER and str(error) in warning["error"]
+
+
+def test_no_layer_server_is_its_own_reason(tmp_path: Path) -> None:
+    # Nothing is mounted at the layer server's mountpoint.
+    remote = RemoteLayers(LayerStore(tmp_path / "layers"), tmp_path / "m", _no_registry, 0)
+    snaps = Snapshotter(tmp_path / "root", remote)
+    try:
+        before = _layers("normal", "layer_server_down")
+        with capture_logs() as logs:
+            snaps.prepare("default/1/extract", "", _remote_labels("chain-1"))
+    finally:
+        snaps.close()
+    assert _layers("normal", "layer_server_down") == before + 1
+    [warning] = [e for e in logs if e["event"] == "layer takes the normal path"]
+    assert warning["log_level"] == "warning" and "not mounted" in warning["error"]
+
+
+def test_lazy_off_counts_remote_layers_as_normal_without_a_warning(snaps: Snapshotter) -> None:
+    before = _layers("normal", "lazy_disabled")
+    with capture_logs() as logs:
+        snaps.prepare("default/1/extract", "", _remote_labels("chain-1"))
+        # An ordinary Prepare is not a remote layer at all.
+        snaps.prepare("default/2/extract", "", {})
+    assert _layers("normal", "lazy_disabled") == before + 1
+    assert [e for e in logs if e["log_level"] == "warning"] == []
+
+
+def test_every_reason_has_a_series_from_the_start() -> None:
+    for reason in Reason:
+        assert _layers(reason.path, reason.value) >= 0
+    assert {r.path for r in Reason} == {"lazy", "normal"}
+    assert [r.value for r in Reason if r.path == "lazy"] == ["served"]
+
+
+class _ServingRemote(RemoteLayers):
+    """The remote path finding the layer's index and the layer server showing it."""
+
+    lazy: LazyLayer | None = None
+
+    def prepare(self, wanted: RemoteLayerLabels) -> LazyLayer:
+        assert self.lazy is not None
+        return self.lazy
+
+
+def test_a_layer_served_lazily_is_counted_as_lazy(tmp_path: Path) -> None:
+    blob = tmp_path / "layer.tar.gz"
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        info = tarfile.TarInfo("hello")
+        info.size = 6
+        tar.addfile(info, io.BytesIO(b"hello\n"))
+    blob.write_bytes(gzip.compress(raw.getvalue(), mtime=0))
+    remote = _ServingRemote(LayerStore(tmp_path / "layers"), tmp_path / "m", _no_registry, 0)
+    remote.lazy = LazyLayer(path=tmp_path / "m" / LAYER.split(":")[1], index=build_index(blob, LAYER))
+    snaps = Snapshotter(tmp_path / "root", remote)
+    try:
+        before = {reason: _layers(reason.path, reason.value) for reason in Reason}
+        with capture_logs() as logs, pytest.raises(AlreadyExists, match="served lazily"):
+            snaps.prepare("default/1/extract", "", _remote_labels("chain-1"))
+        # containerd asks again (a retry): still lazy.
+        with pytest.raises(AlreadyExists, match="already served lazily"):
+            snaps.prepare("default/2/extract", "", _remote_labels("chain-1"))
+        after = {reason: _layers(reason.path, reason.value) for reason in Reason}
+    finally:
+        snaps.close()
+    assert {r: after[r] - before[r] for r in Reason if after[r] != before[r]} == {Reason.SERVED: 2}
+    assert [e for e in logs if e["log_level"] == "warning"] == []
