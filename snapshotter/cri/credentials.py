@@ -56,8 +56,8 @@ class PullSecret:
     """What one AuthConfig authenticates with, normalised. Which field is
     used follows containerd's CRI plugin: username and password, else the
     identity token, else `auth` (base64 of user:password, decoded into
-    username and password here). A registry token alone is kept but not
-    used: containerd 1.6 and 1.7 ignore it too."""
+    username and password here), else a registry token: a bearer token
+    for the registry, sent as it is (it cannot be renewed)."""
 
     username: str = ""
     password: str = field(default="", repr=False)
@@ -70,6 +70,8 @@ class PullSecret:
         if self.identity_token:
             # docker's convention, as the docker config keychain has it.
             return Credentials("<token>", self.identity_token)
+        if self.registry_token:
+            return Credentials("", "", registry_token=self.registry_token)
         return None
 
 

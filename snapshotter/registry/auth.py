@@ -34,6 +34,9 @@ class CredentialsError(ValueError):
 class Credentials:
     username: str
     password: str = field(repr=False)
+    # A bearer token for the registry itself (CRI's AuthConfig.registry_token):
+    # sent as it is, never exchanged, and not renewable.
+    registry_token: str = field(default="", repr=False)
 
     def basic_header(self) -> str:
         raw = f"{self.username}:{self.password}".encode()

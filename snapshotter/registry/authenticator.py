@@ -9,6 +9,7 @@ token exchange, which needs a connection pool and the retry schedule.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import httpx
@@ -17,6 +18,7 @@ from snapshotter.registry.auth import (
     Challenge,
     Credentials,
     Keychain,
+    Token,
     TokenCache,
     parse_challenges,
     parse_token_response,
@@ -52,7 +54,7 @@ class Authenticator:
             return None
         if challenge.scheme == "basic":
             creds = self.keychain.get(ref.domain, ref.repository)
-            return creds.basic_header() if creds else None
+            return creds.basic_header() if creds and not creds.registry_token else None
         return f"Bearer {token.value}" if token else None
 
     def answer(
@@ -69,8 +71,12 @@ class Authenticator:
             raise Unauthorized.at(ref, "registry answered 401 without a Basic or Bearer challenge")
         with self._lock:
             self._challenges[endpoint.netloc] = chosen
+        if chosen.scheme == "bearer" and creds is not None and creds.registry_token:
+            with self._lock:
+                self._tokens.put(_token_key(chosen, ref, actions), Token(creds.registry_token, expires_at=math.inf))
+            return
         if chosen.scheme == "basic":
-            if creds is None:
+            if creds is None or creds.registry_token:
                 raise Unauthorized.at(
                     ref,
                     f"registry wants a login and {self.keychain.path} has none for {ref.domain}; "

@@ -45,7 +45,8 @@ def test_secrets_stay_out_of_reprs() -> None:
     assert creds is not None and "hunter2" not in repr(creds)
     token = PullSecret(identity_token="idtok").credentials()
     assert token is not None and (token.username, token.password) == ("<token>", "idtok")
-    assert PullSecret(registry_token="r").credentials() is None
+    bearer = PullSecret(registry_token="regtok").credentials()
+    assert bearer is not None and bearer.registry_token == "regtok" and "regtok" not in repr(bearer)
 
 
 def test_server_address_must_name_the_image_registry() -> None:

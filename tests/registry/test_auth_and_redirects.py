@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from snapshotter.registry.auth import Keychain
+from snapshotter.registry.auth import Credentials, Keychain
 from snapshotter.registry.client import RegistryClient
 from snapshotter.registry.errors import ServerError, Unauthorized
 from snapshotter.registry.reference import parse as parse_reference
@@ -63,6 +63,35 @@ def test_token_server_wants_credentials(tmp_path: Path, registry: Registry, push
         right = _docker_config(tmp_path, front.host, "trainer:pw")
         with _client(docker_config=right) as client:
             assert client.resolve(ref).manifest_digest
+
+
+class _RegistryToken:
+    """A credential source holding a CRI registry token for one host."""
+
+    def __init__(self, path: Path, host: str, token: str) -> None:
+        self.path, self._host, self._token = path, host, token
+
+    def lookup(self, host: str, repository: str) -> Credentials | None:
+        return Credentials("", "", registry_token=self._token) if host == self._host else None
+
+
+def test_a_registry_token_is_sent_as_it_is(tmp_path: Path, registry: Registry, pushed: PushedImage) -> None:
+    """CRI's AuthConfig.registry_token is a bearer token for the registry
+    itself: used without a token exchange, and refused cleanly once the
+    registry no longer takes it (it cannot be renewed)."""
+    with tokenfront.running(registry.port, login="trainer:pw") as front:
+        ref = parse_reference(pushed.ref.replace(registry.host, front.host, 1))
+        front.issued.append("kubelet-given")
+        keychain = Keychain(
+            tmp_path / "absent.json", [_RegistryToken(tmp_path / "cri.json", front.host, "kubelet-given")]
+        )
+        with RegistryClient(plain_http=True, backoff=0.01, retries=1, keychain=keychain) as client:
+            assert client.resolve(ref).manifest_digest
+            assert front.token_requests == []
+            front.issued.remove("kubelet-given")
+            with pytest.raises(Unauthorized, match="refused the credentials"):
+                client.resolve(ref)
+        assert front.token_requests == []
 
 
 def test_redirects_are_bounded(proxy: FaultProxy, pushed: PushedImage) -> None:
