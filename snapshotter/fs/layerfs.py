@@ -138,6 +138,26 @@ def _reply_dots(
     return True
 
 
+def entry_attributes(slot: int, node: Node) -> pyfuse3.EntryAttributes:
+    """The stat the kernel gets for `node` of the layer in `slot`."""
+    attr = pyfuse3.EntryAttributes()
+    attr.st_ino = (slot << SLOT_SHIFT) | node.ino
+    attr.generation = 0
+    attr.entry_timeout = TIMEOUT
+    attr.attr_timeout = TIMEOUT
+    attr.st_mode = node.mode
+    attr.st_nlink = node.nlink
+    attr.st_uid = node.uid
+    attr.st_gid = node.gid
+    attr.st_rdev = node.rdev
+    attr.st_size = node.size
+    attr.st_blksize = BLOCK_SIZE
+    attr.st_blocks = (node.size + 511) // 512
+    mtime_ns = int(node.mtime * 1e9)
+    attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = mtime_ns
+    return attr
+
+
 class LayerFS(pyfuse3.Operations):
     def __init__(
         self,
@@ -261,7 +281,7 @@ class LayerFS(pyfuse3.Operations):
         index, source = self.store.load(name)
         tree = build_tree(index.entries)
         slot = len(self.layers_by_slot) + 1
-        root_attr = self._attr(slot, tree.nodes[ROOT])
+        root_attr = entry_attributes(slot, tree.nodes[ROOT])
         # Layers come and go from the store: the kernel looks them up afresh each time.
         root_attr.entry_timeout = 0
         parents = {
@@ -302,24 +322,6 @@ class LayerFS(pyfuse3.Operations):
 
     # -- attributes ---------------------------------------------------------
 
-    def _attr(self, slot: int, node: Node) -> pyfuse3.EntryAttributes:
-        attr = pyfuse3.EntryAttributes()
-        attr.st_ino = (slot << SLOT_SHIFT) | node.ino
-        attr.generation = 0
-        attr.entry_timeout = TIMEOUT
-        attr.attr_timeout = TIMEOUT
-        attr.st_mode = node.mode
-        attr.st_nlink = node.nlink
-        attr.st_uid = node.uid
-        attr.st_gid = node.gid
-        attr.st_rdev = node.rdev
-        attr.st_size = node.size
-        attr.st_blksize = BLOCK_SIZE
-        attr.st_blocks = (node.size + 511) // 512
-        mtime_ns = int(node.mtime * 1e9)
-        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = mtime_ns
-        return attr
-
     def _root_attr(self) -> pyfuse3.EntryAttributes:
         attr = pyfuse3.EntryAttributes()
         attr.st_ino = pyfuse3.ROOT_INODE
@@ -336,7 +338,7 @@ class LayerFS(pyfuse3.Operations):
         if inode == pyfuse3.ROOT_INODE:
             return self._root_attr()
         layer, node = self._resolve(inode)
-        return self._attr(layer.slot, node)
+        return entry_attributes(layer.slot, node)
 
     @_guarded
     async def lookup(
@@ -362,11 +364,11 @@ class LayerFS(pyfuse3.Operations):
             return layer.root_attr
         layer, node = self._resolve(parent_inode)
         if name == b".":
-            return self._attr(layer.slot, node)
+            return entry_attributes(layer.slot, node)
         child = layer.tree.lookup(node.ino, name)
         if child is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
-        return self._attr(layer.slot, child)
+        return entry_attributes(layer.slot, child)
 
     @_guarded_forget
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -402,12 +404,12 @@ class LayerFS(pyfuse3.Operations):
         layer, node = self._resolve(fh)
         if start_id < DOTS:
             parent = layer.parents.get(node.ino)
-            up = self._root_attr() if parent is None else self._attr(layer.slot, layer.tree.nodes[parent])
-            if not _reply_dots(token, start_id, self._attr(layer.slot, node), up):
+            up = self._root_attr() if parent is None else entry_attributes(layer.slot, layer.tree.nodes[parent])
+            if not _reply_dots(token, start_id, entry_attributes(layer.slot, node), up):
                 return
         entries = sorted((node.children or {}).items())
         for n, (child, ino) in enumerate(entries[max(start_id - DOTS, 0) :], max(start_id, DOTS) + 1):
-            if not pyfuse3.readdir_reply(token, child, self._attr(layer.slot, layer.tree.nodes[ino]), n):
+            if not pyfuse3.readdir_reply(token, child, entry_attributes(layer.slot, layer.tree.nodes[ino]), n):
                 return
 
     @_guarded

@@ -22,11 +22,11 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import pyfuse3
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from snapshotter.fs.layerfs import entry_attributes
 from snapshotter.layer.build import UnsupportedLayer, build_index
 from snapshotter.layer.index import (
     MAGIC,
@@ -177,22 +177,6 @@ def blob_of(doc: dict[str, Any]) -> bytes:
 # -- what the layer server hands the kernel ------------------------------------
 
 
-def kernel_attributes(node: Node) -> pyfuse3.EntryAttributes:
-    """The stat a node becomes, as LayerFS._attr makes it (slot 1); pyfuse3
-    raises on any value its C fields cannot hold."""
-    attr = pyfuse3.EntryAttributes()
-    attr.st_ino = (1 << 32) | node.ino
-    attr.st_mode = node.mode
-    attr.st_nlink = node.nlink
-    attr.st_uid = node.uid
-    attr.st_gid = node.gid
-    attr.st_rdev = node.rdev
-    attr.st_size = node.size
-    attr.st_blocks = (node.size + 511) // 512
-    attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = int(node.mtime * 1e9)
-    return attr
-
-
 def check_node(node: Node, layer_bytes: int) -> None:
     assert 0 < node.ino < 2**32
     assert stat.S_IFMT(node.mode) in TYPES and node.mode == stat.S_IFMT(node.mode) | stat.S_IMODE(node.mode)
@@ -221,7 +205,8 @@ def check_node(node: Node, layer_bytes: int) -> None:
         assert len(value) <= MAX_XATTR_VALUE_BYTES
         listed += len(name) + 1
     assert listed <= MAX_XATTR_LIST_BYTES
-    kernel_attributes(node)
+    # pyfuse3 raises on any value its C fields cannot hold.
+    entry_attributes(1, node)
 
 
 def check_tree(tree: LayerTree, layer_bytes: int) -> None:
