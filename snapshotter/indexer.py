@@ -1,6 +1,7 @@
 """`bootseer index IMAGE`: read each layer of an image once, build its layer
 index and push the indexes as an OCI artifact whose subject is the image
-manifest. Idempotent: layers already indexed are not read again."""
+manifest. Idempotent: layers already indexed (with this index format
+version) are not read again."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ from tqdm import tqdm
 
 from snapshotter.layer.artifact import index_blobs
 from snapshotter.layer.build import UnsupportedLayer, build_index
-from snapshotter.layer.index import ARTIFACT_TYPE, DEFAULT_SPAN, LAYER_ANNOTATION, MEDIA_TYPE, LayerIndex
+from snapshotter.layer.index import (
+    ARTIFACT_TYPE,
+    DEFAULT_SPAN,
+    FORMAT_VERSION,
+    LAYER_ANNOTATION,
+    MEDIA_TYPE,
+    VERSION_ANNOTATION,
+    LayerIndex,
+)
 from snapshotter.registry import artifact, media
 from snapshotter.registry.client import RegistryClient
 from snapshotter.registry.media import Descriptor
@@ -48,7 +57,7 @@ def index_image(
     existing = index_blobs(artifact.referrers(client, ref, image.manifest_digest, ARTIFACT_TYPE))
     blobs: list[Descriptor] = []
     for layer in image.manifest.layers:
-        if layer.digest in existing:
+        if layer.digest in existing and _current(existing[layer.digest]):
             report.reused.append(layer.digest)
             blobs.append(existing[layer.digest])
             continue
@@ -62,13 +71,21 @@ def index_image(
             log.warning("layer cannot be served lazily", layer=layer.digest, reason=str(exc))
             continue
         desc = client.push_blob(ref, encoded, media_type=MEDIA_TYPE)
-        blobs.append(Descriptor(MEDIA_TYPE, desc.digest, desc.size, annotations={LAYER_ANNOTATION: layer.digest}))
+        annotations = {LAYER_ANNOTATION: layer.digest, VERSION_ANNOTATION: str(FORMAT_VERSION)}
+        blobs.append(Descriptor(MEDIA_TYPE, desc.digest, desc.size, annotations=annotations))
         report.indexed.append(layer.digest)
     if not report.indexed:
         # Nothing new: whatever artifact exists already says all we know.
         return report
     report.artifact_digest = artifact.push(client, ref, image.manifest_descriptor, ARTIFACT_TYPE, blobs)
     return report
+
+
+def _current(blob: Descriptor) -> bool:
+    """An index blob of this format version: one an older bootseer built (no
+    version annotation, format 1 without a diff_id) is built again, so that
+    running `bootseer index` upgrades an image."""
+    return blob.annotations.get(VERSION_ANNOTATION) == str(FORMAT_VERSION)
 
 
 def _index_layer(client: RegistryClient, ref: Reference, layer: Descriptor, span: int, show_progress: bool) -> bytes:

@@ -11,13 +11,12 @@ committed, exactly as containerd's own unpacker does.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -34,6 +33,7 @@ from snapshotter.labels import (
     distribution_source,
     remote_snapshot_labels,
 )
+from snapshotter.layer.index import chain_ids
 from snapshotter.registry.client import RegistryClient, ResolvedImage
 from snapshotter.registry.media import Descriptor
 from snapshotter.registry.reference import parse as parse_reference
@@ -48,14 +48,6 @@ class PullError(Exception):
 
 
 # -- pure core ---------------------------------------------------------------
-
-
-def chain_ids(diff_ids: Sequence[str]) -> list[str]:
-    """containerd's snapshot names: chain(0) = diff(0), chain(n) = sha256(chain(n-1) + " " + diff(n))."""
-    chain: list[str] = []
-    for diff_id in diff_ids:
-        chain.append("sha256:" + hashlib.sha256(f"{chain[-1]} {diff_id}".encode()).hexdigest() if chain else diff_id)
-    return chain
 
 
 def manifest_labels(image: ResolvedImage) -> dict[str, str]:

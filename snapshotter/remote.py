@@ -6,10 +6,19 @@ Trust: the index is used only if it arrived through an artifact manifest
 fetched by digest whose `subject` is the pulled image's manifest, inside a
 blob whose digest that manifest lists, and if it describes exactly the layer
 containerd asked for. Anything else leaves the layer to the normal path.
+
+Binding: containerd commits a layer under the chainID the image's config
+gives (its diff_ids), and any later image whose config gives the same chain
+reuses that snapshot without asking again. So the layer is served lazily only
+if the chainID containerd asked for (`containerd.io/snapshot.ref`) is the one
+the index's own diff_id gives on top of the parent's chain; an image that
+claims another layer's diff_id for its own takes the normal path, where
+containerd checks the real diff_id (and fails the pull).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import errno
 import io
@@ -28,7 +37,7 @@ from snapshotter.fs import control
 from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
 from snapshotter.labels import RemoteLayerLabels
 from snapshotter.layer.artifact import index_blobs
-from snapshotter.layer.index import ARTIFACT_TYPE, IndexFormatError, LayerIndex
+from snapshotter.layer.index import ARTIFACT_TYPE, IndexFormatError, LayerIndex, chain_id, is_sha256_digest
 from snapshotter.model import Snapshot
 from snapshotter.registry import artifact
 from snapshotter.registry.auth import CredentialsError
@@ -65,7 +74,10 @@ class Reason(enum.StrEnum):
     NOT_FOUND = "not_found"  # the image or its index blob is gone from the registry
     REGISTRY_UNREACHABLE = "registry_unreachable"  # no answer after the retries, or past the deadline
     REGISTRY_ERROR = "registry_error"  # 5xx/429 after the retries, or an answer that is wrong
-    INDEX_REFUSED = "index_refused"  # the index does not decode, validate or match the layer
+    INDEX_REFUSED = "index_refused"  # the index does not decode, validate or match the layer (or is v1)
+    # the chainID containerd asked for is not the one the index's diff_id gives
+    # (the image's config claims another layer's diff_id), or the parent's chain is unknown
+    DIFF_ID_MISMATCH = "diff_id_mismatch"
     LAYER_REFUSED = "layer_refused"  # the layer server answered EIO for the layer, or does not show it
     ERROR = "error"  # anything else (a full disk, a bug): see the log line
 
@@ -100,6 +112,52 @@ def reason_of(exc: BaseException) -> Reason:
         # ServerError, DigestMismatch and whatever else the registry client raises.
         return Reason.REGISTRY_ERROR
     return Reason.ERROR
+
+
+@dataclass(frozen=True)
+class RemotePrepare(RemoteLayerLabels):
+    """A remote layer's Prepare with the chain it goes on: `parent_chain` is
+    the parent snapshot's chainID ("" for a bottom layer), None if the
+    parent is not a snapshot of an image layer."""
+
+    parent_chain: str | None
+
+    @classmethod
+    def of(cls, wanted: RemoteLayerLabels, parent_key: str) -> RemotePrepare:
+        fields = {f.name: getattr(wanted, f.name) for f in dataclasses.fields(RemoteLayerLabels)}
+        return cls(**fields, parent_chain=parent_chain_of(parent_key))
+
+
+def parent_chain_of(parent_key: str) -> str | None:
+    """The chainID of a parent snapshot from its key, as containerd (1.6 to
+    2.x, through its metadata store) names the snapshots of image layers:
+    "<namespace>/<n>/<chainID>" for a layer it committed itself, and our own
+    "<namespace>/remote/<chainID>" for a lazily served one (containerd
+    records our name for the chainID). "" for no parent; None for a key that
+    ends in no chainID (not an image layer's snapshot)."""
+    if not parent_key:
+        return ""
+    last = parent_key.rsplit("/", 1)[-1]
+    return last if is_sha256_digest(last) else None
+
+
+def check_chain(parent_chain: str | None, diff_id: str, target: str) -> None:
+    """Refuse (NotLazy) a layer whose index does not give the chainID
+    containerd asked to commit it under."""
+    if parent_chain is None:
+        raise NotLazy(
+            Reason.DIFF_ID_MISMATCH,
+            f"the parent snapshot is not an image layer's (its key ends in no chainID): cannot bind to {target}",
+        )
+    if not diff_id:
+        raise NotLazy(Reason.INDEX_REFUSED, "the index records no diff_id (format version 1)")
+    got = chain_id(parent_chain, diff_id)
+    if got != target:
+        raise NotLazy(
+            Reason.DIFF_ID_MISMATCH,
+            f"the layer's diff_id is {diff_id} (its index says), which gives chainID {got} on "
+            f"{parent_chain or 'no parent'}, not {target}: the image's config claims another layer's diff_id",
+        )
 
 
 @dataclass(frozen=True)
@@ -147,7 +205,7 @@ class RemoteLayers:
         }
         return self.store.prune(keep, older_than_s=self.gc_grace_s)
 
-    def prepare(self, wanted: RemoteLayerLabels) -> LazyLayer:
+    def prepare(self, wanted: RemotePrepare) -> LazyLayer:
         if not os.path.ismount(self.mountpoint):
             raise NotLazy(Reason.LAYER_SERVER_DOWN, f"the FUSE layer server is not mounted at {self.mountpoint}")
         layer_digest = wanted.layer_digest
@@ -159,6 +217,7 @@ class RemoteLayers:
         for digest in wanted.upcoming:
             self._stored(ref, manifest_digest, digest)
         index = stored.result()
+        check_chain(wanted.parent_chain, index.diff_id, wanted.target)
         path = self.mountpoint / name
         try:
             shown = control.lookup(self.mountpoint, name)
@@ -190,7 +249,13 @@ class RemoteLayers:
 
     def _store_index(self, ref: Reference, manifest_digest: str, layer_digest: str) -> LayerIndex:
         if self.store.has(layer_digest):
-            return self.store.load(layer_name(layer_digest))[0]
+            stored = self.store.load(layer_name(layer_digest))[0]
+            if stored.diff_id:
+                return stored
+            # Stored by an older bootseer (version 1, no diff_id): the layer
+            # server goes on serving it, and the registry's index (rebuilt by
+            # `bootseer index`) says the diff_id.
+            return self._fetch_index(ref, manifest_digest, layer_digest)[0]
         index, encoded = self._fetch_index(ref, manifest_digest, layer_digest)
         self.store.add(index, LayerSource(ref=ref.name, digest=layer_digest), encoded)
         self._preload(layer_digest)
@@ -249,6 +314,12 @@ class RemoteLayers:
         if index.layer_digest != layer_digest:
             raise NotLazy(
                 Reason.INDEX_REFUSED, f"the index {blob.digest} describes {index.layer_digest}, not {layer_digest}"
+            )
+        if not index.diff_id:
+            raise NotLazy(
+                Reason.INDEX_REFUSED,
+                f"the index of {layer_digest} was built by an older bootseer (format version 1, no diff_id); "
+                f"re-run `bootseer index {ref}` to rebuild it",
             )
         return index, encoded
 

@@ -43,7 +43,7 @@ from snapshotter.errors import (
 from snapshotter.labels import RemoteLayerLabels
 from snapshotter.model import Kind, Snapshot, validate_key, validate_labels
 from snapshotter.mounts import Mount, snapshot_mounts
-from snapshotter.remote import LazyLayer, Reason, RemoteLayers, reason_of
+from snapshotter.remote import LazyLayer, Reason, RemoteLayers, RemotePrepare, reason_of
 from snapshotter.store import MetadataStore, Txn
 from snapshotter.usage import TreeChanged, TreeError, Usage, disk_usage, remove_tree
 
@@ -108,7 +108,8 @@ class Snapshotter:
             _LAYERS[Reason.SERVED].inc()
             raise AlreadyExists(f"target snapshot {target!r} is already served lazily as {name!r}")
         try:
-            lazy = self.remote.prepare(remote)
+            # The parent's chainID binds the layer's index to the target.
+            lazy = self.remote.prepare(RemotePrepare.of(remote, parent))
             self._commit_remote(name, parent, {**labels, label_keys.REMOTE: "true"}, lazy)
         except AlreadyExists:
             # Committed meanwhile by a Prepare of the same layer: served lazily all the same.
@@ -122,6 +123,7 @@ class Snapshotter:
             log.warning(
                 "layer takes the normal path",
                 target=target,
+                parent=parent,
                 image=remote.image_ref,
                 layer=remote.layer_digest,
                 reason=reason.value,
@@ -130,7 +132,7 @@ class Snapshotter:
             )
             return
         _LAYERS[Reason.SERVED].inc()
-        log.info("layer served lazily", target=target, snapshot=name, layer=str(lazy.path))
+        log.info("layer served lazily", target=target, parent=parent, snapshot=name, layer=str(lazy.path))
         raise AlreadyExists(f"target snapshot {target!r} is served lazily as {name!r}")
 
     def _commit_remote(self, name: str, parent: str, labels: dict[str, str], lazy: LazyLayer) -> None:

@@ -1,4 +1,4 @@
-"""The layer index format (version 1).
+"""The layer index format (version 2).
 
 An index describes one image layer blob, as pushed to a registry, without
 changing it:
@@ -12,7 +12,9 @@ changing it:
   of its compressed bytes. A block is the unit of fetch, verification, cache
   and record;
 - for gzip, the checkpoints themselves (indexed_gzip's exported index: the
-  compressed offset, bit offset and 32 KiB window of each).
+  compressed offset, bit offset and 32 KiB window of each);
+- the layer's diff_id (sha256 of the uncompressed tar stream), which binds
+  the index to the chainID containerd commits the layer under (`chain_id`).
 
 Encoding: MAGIC, then one zstd frame holding a 4-byte big-endian length, a
 JSON document of that length, and the raw checkpoint index. docs/layer-index.md
@@ -28,12 +30,13 @@ import base64
 import bisect
 import enum
 import functools
+import hashlib
 import json
 import math
 import operator
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -42,12 +45,18 @@ import zstandard
 from snapshotter.layer.checkpoints import MAX_POINTS, Checkpoint, CheckpointFormatError
 from snapshotter.layer.checkpoints import parse as parse_checkpoints
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 had no diff_id: it still decodes (the layer server goes on serving
+# layers committed from one), but the remote Prepare path refuses it.
+READABLE_VERSIONS = (1, FORMAT_VERSION)
 MAGIC = b"bootseer-layer-index\x00"
 MEDIA_TYPE = "application/vnd.bootseer.layer-index.v1+zstd"
 ARTIFACT_TYPE = "application/vnd.bootseer.layer-index.v1"
 # The annotation on each index blob naming the layer blob it describes.
 LAYER_ANNOTATION = "dev.bootseer.layer.digest"
+# And the format version of the index blob, so that `bootseer index` can tell
+# an index an older bootseer built (no annotation) without fetching it.
+VERSION_ANNOTATION = "dev.bootseer.layer-index.version"
 DEFAULT_SPAN = 4 << 20
 
 # Bounds on what an index may hold. Each keeps a value the kernel (through
@@ -164,6 +173,8 @@ class LayerIndex:
     blocks: list[Block]
     entries: list[Entry]
     checkpoints: bytes = b""  # indexed_gzip's exported index, for gzip
+    # "sha256:<hex>" of the uncompressed tar stream; "" in a version 1 index.
+    diff_id: str = ""
 
     def __post_init__(self) -> None:
         self._ustarts = [b.ustart for b in self.blocks]
@@ -187,6 +198,7 @@ class LayerIndex:
         doc = {
             "version": FORMAT_VERSION,
             "layer_digest": self.layer_digest,
+            "diff_id": self.diff_id,
             "compression": self.compression.value,
             "compressed_size": self.compressed_size,
             "uncompressed_size": self.uncompressed_size,
@@ -210,10 +222,11 @@ class LayerIndex:
             doc = json.loads(payload[4 : 4 + length])
         except (zstandard.ZstdError, struct.error, ValueError, RecursionError) as exc:
             raise IndexFormatError(f"layer index is corrupt: {exc}") from None
-        if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION:
+        version = doc.get("version") if isinstance(doc, dict) else "?"
+        if type(version) is not int or version not in READABLE_VERSIONS:
             raise IndexFormatError(
-                f"layer index version {doc.get('version') if isinstance(doc, dict) else '?'} "
-                f"is not supported (this bootseer reads version {FORMAT_VERSION})"
+                f"layer index version {version!r} is not supported (this bootseer reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}); re-run `bootseer index` with this bootseer"
             )
         try:
             rows, block_rows = doc["entries"], doc["blocks"]
@@ -230,9 +243,12 @@ class LayerIndex:
                 blocks=[_row_block(row) for row in block_rows],
                 entries=_row_entries(rows),
                 checkpoints=payload[4 + length :],
+                diff_id=_typed(doc["diff_id"], str) if version >= 2 else "",
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise IndexFormatError(f"layer index is malformed: {exc!r}") from None
+        if version >= 2 and not is_sha256_digest(index.diff_id):
+            raise IndexFormatError(f"bad diff_id {index.diff_id!r}")
         index.validate()
         return index
 
@@ -244,9 +260,10 @@ class LayerIndex:
         _validate_entries(self.entries, self.uncompressed_size)
 
     def _validate_blocks(self) -> None:
-        d = self.layer_digest
-        if not (isinstance(d, str) and d.startswith("sha256:") and len(d) == 71 and set(d[7:]) <= _HEX):
-            raise IndexFormatError(f"bad layer digest {d!r}")
+        if not is_sha256_digest(self.layer_digest):
+            raise IndexFormatError(f"bad layer digest {self.layer_digest!r}")
+        if self.diff_id != "" and not is_sha256_digest(self.diff_id):
+            raise IndexFormatError(f"bad diff_id {self.diff_id!r}")
         for what, value in (("compressed", self.compressed_size), ("uncompressed", self.uncompressed_size)):
             if not (type(value) is int and 0 <= value <= MAX_LAYER_BYTES):
                 raise IndexFormatError(f"{what} size {value!r} is not between 0 and {MAX_LAYER_BYTES}")
@@ -277,6 +294,29 @@ class LayerIndex:
                 raise IndexFormatError(f"gzip layer index: {exc}") from None
             if any(b.ustart not in points for b in self.blocks):
                 raise IndexFormatError("a block does not start at a gzip checkpoint")
+
+
+def is_sha256_digest(value: object) -> bool:
+    """A "sha256:" digest: the prefix and 64 lowercase hex digits."""
+    return isinstance(value, str) and value.startswith("sha256:") and len(value) == 71 and set(value[7:]) <= _HEX
+
+
+def chain_id(parent_chain: str, diff_id: str) -> str:
+    """The OCI ChainID of a layer (containerd's snapshot name for it): its
+    diff_id for a bottom layer (`parent_chain` ""), otherwise
+    sha256(parent_chain + " " + diff_id)."""
+    if not parent_chain:
+        return diff_id
+    return "sha256:" + hashlib.sha256(f"{parent_chain} {diff_id}".encode()).hexdigest()
+
+
+def chain_ids(diff_ids: Sequence[str]) -> list[str]:
+    """containerd's snapshot names for a stack of layers, bottom first:
+    chain(0) = diff(0), chain(n) = sha256(chain(n-1) + " " + diff(n))."""
+    chain: list[str] = []
+    for diff_id in diff_ids:
+        chain.append(chain_id(chain[-1] if chain else "", diff_id))
+    return chain
 
 
 def normalize_name(name: str) -> str:

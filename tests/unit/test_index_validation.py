@@ -21,15 +21,29 @@ from typing import Any, cast
 import pytest
 import zstandard
 
+from snapshotter.fs.layers import LayerStore
 from snapshotter.indexer import index_image
 from snapshotter.layer.build import UnsupportedLayer, build_index
-from snapshotter.layer.index import MAGIC, MAX_DEPTH, MAX_MTIME, EntryType, IndexFormatError, LayerIndex
+from snapshotter.layer.index import (
+    FORMAT_VERSION,
+    LAYER_ANNOTATION,
+    MAGIC,
+    MAX_DEPTH,
+    MAX_MTIME,
+    MEDIA_TYPE,
+    VERSION_ANNOTATION,
+    EntryType,
+    IndexFormatError,
+    LayerIndex,
+)
 from snapshotter.layer.tree import ROOT, LayerTree, Node, build_tree
+from snapshotter.registry import artifact as registry_artifact
 from snapshotter.registry import media
 from snapshotter.registry.client import RegistryClient, ResolvedImage
 from snapshotter.registry.media import Descriptor, Manifest, Platform
 from snapshotter.registry.reference import Reference
 from snapshotter.registry.reference import parse as parse_reference
+from snapshotter.remote import NotLazy, Reason, RemoteLayers
 
 Member = tuple[tarfile.TarInfo, bytes]
 
@@ -471,3 +485,88 @@ def test_bootseer_index_indexes_the_layers_it_can_and_reports_the_others() -> No
     (blob,) = registry.artifacts[0].layers
     assert LayerIndex.decode(registry.pushed[blob.digest]).layer_digest == digest_of(good)
     assert {e.type for e in LayerIndex.decode(registry.pushed[blob.digest]).entries} == {EntryType.REG}
+
+
+# -- format versions: version 1 has no diff_id --------------------------------
+
+
+def version_1(index: LayerIndex) -> bytes:
+    """The index as a bootseer before version 2 encoded it."""
+    doc, checkpoints = document(index.encode())
+    doc["version"] = 1
+    del doc["diff_id"]
+    return blob_of(doc, checkpoints)
+
+
+def test_a_version_1_index_still_decodes_without_a_diff_id(valid: LayerIndex) -> None:
+    # The layer server goes on serving the layers committed from one.
+    old = LayerIndex.decode(version_1(valid))
+    assert old.diff_id == "" and old.entries == valid.entries
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_set(("version",), 3), "version 3 is not supported.*re-run `bootseer index`"),
+        (_set(("version",), True), "version True is not supported"),
+        (_set(("diff_id",), ""), "bad diff_id"),
+        (_set(("diff_id",), "sha256:" + "A" * 64), "bad diff_id"),
+        (_set(("diff_id",), 7), "malformed"),
+    ],
+    ids=["version-3", "bool-version", "empty-diff-id", "upper-case-diff-id", "int-diff-id"],
+)
+def test_a_version_or_diff_id_this_bootseer_cannot_use_is_refused(
+    valid: LayerIndex, edit: Callable[[dict[str, Any]], None], message: str
+) -> None:
+    doc, checkpoints = document(valid.encode())
+    edit(doc)
+    with pytest.raises(IndexFormatError, match=message):
+        LayerIndex.decode(blob_of(doc, checkpoints))
+
+
+def test_a_version_1_index_is_refused_for_the_lazy_path_with_the_re_index_message(
+    valid: LayerIndex, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = version_1(valid)
+    blob = Descriptor(MEDIA_TYPE, digest_of(old), len(old), annotations={LAYER_ANNOTATION: valid.layer_digest})
+    config = Descriptor(media.OCI_CONFIG, digest_of(b"{}"), 2)
+    monkeypatch.setattr(registry_artifact, "referrers", lambda *_: [Manifest(media.OCI_MANIFEST, config, (blob,))])
+
+    class Registry:
+        def fetch_blob(self, ref: Reference, digest: str, dest: io.BytesIO) -> None:
+            assert digest == blob.digest
+            dest.write(old)
+
+    remote = RemoteLayers(LayerStore(tmp_path / "layers"), tmp_path / "m", lambda: cast(RegistryClient, Registry()), 0)
+    ref = parse_reference("registry.example/team/app:v1")
+    with pytest.raises(NotLazy, match=r"format version 1.*re-run `bootseer index registry.example/team/app:v1`") as no:
+        remote._store_index(ref, "sha256:" + "2" * 64, valid.layer_digest)
+    assert no.value.reason is Reason.INDEX_REFUSED
+    # Nothing the lazy path refuses is kept in the node's layer store.
+    assert not remote.store.has(valid.layer_digest)
+
+
+def test_bootseer_index_rebuilds_the_indexes_an_older_bootseer_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    old, current = layer([member("old", data=b"1")]), layer([member("new", data=b"2")])
+    registry = FakeRegistry([(media.OCI_LAYER_GZIP, old), (media.OCI_LAYER_GZIP, current)])
+    # An artifact from before: the first layer's blob has no version annotation.
+    existing = (
+        Descriptor(MEDIA_TYPE, "sha256:" + "e" * 64, 10, annotations={LAYER_ANNOTATION: digest_of(old)}),
+        Descriptor(
+            MEDIA_TYPE,
+            "sha256:" + "f" * 64,
+            10,
+            annotations={LAYER_ANNOTATION: digest_of(current), VERSION_ANNOTATION: str(FORMAT_VERSION)},
+        ),
+    )
+    config = Descriptor(media.OCI_CONFIG, digest_of(b"{}"), 2)
+    monkeypatch.setattr(registry_artifact, "referrers", lambda *_: [Manifest(media.OCI_MANIFEST, config, existing)])
+    client = cast(RegistryClient, registry)
+    report = index_image(client, parse_reference("registry.example/team/app:v1"), show_progress=False)
+    assert report.indexed == [digest_of(old)] and report.reused == [digest_of(current)]
+    rebuilt, kept = registry.artifacts[-1].layers
+    assert rebuilt.annotations[VERSION_ANNOTATION] == str(FORMAT_VERSION) and kept == existing[1]
+    assert (
+        LayerIndex.decode(registry.pushed[rebuilt.digest]).diff_id
+        == "sha256:" + hashlib.sha256(gzip.decompress(old)).hexdigest()
+    )

@@ -24,9 +24,12 @@ from snapshotter.layer.index import (
     EntryType,
     IndexFormatError,
     LayerIndex,
+    chain_id,
+    chain_ids,
     normalize_name,
 )
 from snapshotter.layer.tree import OPAQUE_XATTR, ROOT, build_tree
+from snapshotter.remote import NotLazy, Reason, check_chain, parent_chain_of
 
 
 def tar_of(members: list[tuple[str, bytes]], gz: bool = True) -> bytes:
@@ -195,3 +198,80 @@ def test_read_ahead_grows_on_sequential_reads_and_stops_on_random_ones() -> None
     assert ra.observe(0, 1) == range(2, 4)
     assert ra.observe(1, 1) == range(2, 4)
     assert ra.observe(1, 2) == range(3, 7)
+
+
+# -- the diff_id and the chain it binds the index to --------------------------
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_the_index_records_the_diff_id_of_the_uncompressed_tar(tmp_path: Path, gz: bool) -> None:
+    rng = random.Random(4)
+    members = [(f"f{i}", rng.randbytes(rng.randint(0, 200_000))) for i in range(20)]
+    blob = tar_of(members, gz)
+    raw = gzip.decompress(blob) if gz else blob
+    index = index_of(blob, tmp_path)
+    assert index.diff_id == "sha256:" + hashlib.sha256(raw).hexdigest()
+    assert LayerIndex.decode(index.encode()).diff_id == index.diff_id
+
+
+def test_the_diff_id_of_a_multi_member_gzip_layer_covers_every_member(tmp_path: Path) -> None:
+    raw = tar_of([("a", b"x" * 300_000), ("b", random.Random(5).randbytes(100_000))], gz=False)
+    # As pigz and concatenating writers make them: containerd reads on past each member.
+    blob = gzip.compress(raw[:70_000], 6) + gzip.compress(raw[70_000:], 6)
+    assert index_of(blob, tmp_path).diff_id == "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def test_a_gzip_layer_cut_short_is_not_indexed(tmp_path: Path) -> None:
+    blob = tar_of([("a", random.Random(6).randbytes(300_000))])
+    with pytest.raises(UnsupportedLayer):
+        index_of(blob[:-9], tmp_path)
+
+
+A_DIFF = "sha256:" + "a" * 64
+B_DIFF = "sha256:" + "b" * 64
+
+
+def test_chain_ids_follow_the_oci_definition() -> None:
+    ab = "sha256:" + hashlib.sha256(f"{A_DIFF} {B_DIFF}".encode()).hexdigest()
+    assert chain_id("", A_DIFF) == A_DIFF
+    assert chain_id(A_DIFF, B_DIFF) == ab
+    assert chain_ids([A_DIFF, B_DIFF]) == [A_DIFF, ab]
+
+
+def test_a_bottom_layer_binds_when_the_target_is_its_diff_id() -> None:
+    check_chain("", A_DIFF, A_DIFF)
+    with pytest.raises(NotLazy, match="claims another layer's diff_id") as refused:
+        check_chain("", A_DIFF, B_DIFF)
+    assert refused.value.reason is Reason.DIFF_ID_MISMATCH
+
+
+def test_an_upper_layer_binds_to_its_parents_chain() -> None:
+    check_chain(A_DIFF, B_DIFF, chain_id(A_DIFF, B_DIFF))
+    # The diff_id another image's config gives for a layer, on the same parent.
+    with pytest.raises(NotLazy) as refused:
+        check_chain(A_DIFF, "sha256:" + "c" * 64, chain_id(A_DIFF, B_DIFF))
+    assert refused.value.reason is Reason.DIFF_ID_MISMATCH
+    # The right diff_id, on another parent.
+    with pytest.raises(NotLazy):
+        check_chain(B_DIFF, B_DIFF, chain_id(A_DIFF, B_DIFF))
+    # A parent that is not an image layer's snapshot, and a version 1 index.
+    with pytest.raises(NotLazy, match="ends in no chainID"):
+        check_chain(None, B_DIFF, chain_id(A_DIFF, B_DIFF))
+    with pytest.raises(NotLazy, match="version 1") as refused:
+        check_chain(A_DIFF, "", chain_id(A_DIFF, B_DIFF))
+    assert refused.value.reason is Reason.INDEX_REFUSED
+
+
+@pytest.mark.parametrize(
+    ("key", "chain"),
+    [
+        ("", ""),
+        # What containerd's metadata store sends (observed in tests/lazy/test_diff_id_binding.py):
+        (f"default/12/{A_DIFF}", A_DIFF),  # a layer containerd committed
+        (f"bs-test/remote/{A_DIFF}", A_DIFF),  # a layer served lazily, under our name
+        ("default/13/my-container-snapshot", None),
+        (f"default/14/{A_DIFF[:-1]}", None),
+    ],
+)
+def test_the_parents_chain_comes_from_its_key(key: str, chain: str | None) -> None:
+    assert parent_chain_of(key) == chain
