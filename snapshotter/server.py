@@ -40,6 +40,7 @@ log = structlog.get_logger("bootseer.snapshotter")
 # containerd issues many calls at once while unpacking and garbage collecting.
 WORKERS = 16
 SHUTDOWN_GRACE_S = 5.0
+SIGNAL_POLL_S = 0.5
 # How long a health check waits for a socket to accept a connection.
 HEALTH_TIMEOUT_S = 2.0
 # How long the sockets may take to accept after the servers started.
@@ -198,7 +199,11 @@ def serve(
             cri=(cri.address if cri else "") or None,
         )
         on_ready()
-        stopping.wait()
+        # The kernel may hand SIGTERM to one of gRPC's threads; Python then
+        # runs the handler only when the main thread next runs bytecode, so
+        # it must not block for good.
+        while not stopping.wait(SIGNAL_POLL_S):
+            pass
     finally:
         if proxy is not None and proxy.address in bound:
             proxy.stop()
