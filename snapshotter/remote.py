@@ -39,7 +39,7 @@ from snapshotter.labels import RemoteLayerLabels
 from snapshotter.layer.artifact import index_blobs
 from snapshotter.layer.index import ARTIFACT_TYPE, IndexFormatError, LayerIndex, chain_id, is_sha256_digest
 from snapshotter.model import Snapshot
-from snapshotter.registry import artifact
+from snapshotter.registry import artifact, media
 from snapshotter.registry.auth import CredentialsError
 from snapshotter.registry.errors import (
     DeadlineExceeded,
@@ -182,6 +182,8 @@ class RemoteLayers:
         # Index blobs per image manifest: {layer digest: index blob descriptor digest}.
         self._artifacts: dict[str, dict[str, Descriptor]] = {}
         self._resolved: dict[str, str] = {}
+        # Layer blob sizes per image manifest, as its descriptors give them.
+        self._sizes: dict[str, dict[str, int]] = {}
         self._indexes: dict[str, Future[LayerIndex]] = {}
         self._fetchers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="index-fetch")
         # Reentrant: a future that is already done runs its callback at once.
@@ -276,10 +278,34 @@ class RemoteLayers:
         with self._lock:
             known = self._resolved.get(str(ref))
         if known is None:
-            known = self.client.resolve(ref).manifest_digest
+            resolved = self.client.resolve(ref)
+            known = resolved.manifest_digest
             with self._lock:
                 self._resolved[str(ref)] = known
+                self._sizes.setdefault(known, {d.digest: d.size for d in resolved.manifest.layers})
         return known
+
+    def _layer_size(self, ref: Reference, manifest_digest: str, layer_digest: str) -> int:
+        """The size of the layer blob as the image manifest's descriptor gives
+        it (containerd's normal path fetches exactly that many bytes)."""
+        with self._lock:
+            sizes = self._sizes.get(manifest_digest)
+        if sizes is None:
+            # By digest: the registry client checks the bytes against it.
+            data, media_type, _ = self.client.fetch_manifest(ref.with_digest(manifest_digest))
+            try:
+                parsed = media.parse(data, media_type)
+            except media.InvalidManifest as exc:
+                raise NotLazy(Reason.REGISTRY_ERROR, f"image manifest {manifest_digest}: {exc}") from None
+            if not isinstance(parsed, media.Manifest):
+                raise NotLazy(Reason.REGISTRY_ERROR, f"{manifest_digest} is a {media_type}, not an image manifest")
+            sizes = {d.digest: d.size for d in parsed.layers}
+            with self._lock:
+                self._sizes[manifest_digest] = sizes
+        size = sizes.get(layer_digest)
+        if size is None:
+            raise NotLazy(Reason.INDEX_REFUSED, f"image manifest {manifest_digest} lists no layer {layer_digest}")
+        return size
 
     def _announce(self, ref: Reference, manifest_digest: str, layer_digest: str) -> None:
         """Tell the layer server this image now has this layer, so it can
@@ -320,6 +346,17 @@ class RemoteLayers:
                 Reason.INDEX_REFUSED,
                 f"the index of {layer_digest} was built by an older bootseer (format version 1, no diff_id); "
                 f"re-run `bootseer index {ref}` to rebuild it",
+            )
+        # The index's blocks end at compressed_size (decoding checks it);
+        # the blob the normal path would read ends at the descriptor's size.
+        # An index of a blob's readable part (a truncated one, or one with
+        # trailing bytes that are not gzip) would serve what containerd refuses.
+        size = self._layer_size(ref, manifest_digest, layer_digest)
+        if index.compressed_size != size:
+            raise NotLazy(
+                Reason.INDEX_REFUSED,
+                f"the index of {layer_digest} describes a blob of {index.compressed_size} bytes, "
+                f"the image manifest's layer has {size}: the index does not cover the whole layer",
             )
         return index, encoded
 

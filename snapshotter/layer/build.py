@@ -71,21 +71,31 @@ def build_index(
     if magic == _GZIP_MAGIC:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diff-id") as pool:
             digested = pool.submit(_gunzip_digest, blob)
-            with indexed_gzip.IndexedGzipFile(str(blob), spacing=span, readbuf_size=1 << 20) as gz:
-                # Seeking past the end builds the whole index, the same points
-                # as build_full_index, but with the GIL released (build_full_index
-                # holds it), so the diff_id thread runs meanwhile.
-                gz.seek(MAX_LAYER_BYTES + 1)
-                points = [(u, c) for u, c in gz.seek_points()]
-                try:
-                    gz.seek(0, io.SEEK_END)
-                except indexed_gzip.NotCoveredError:
-                    raise UnsupportedLayer(f"the layer inflates to more than {MAX_LAYER_BYTES} bytes") from None
-                uncompressed_size = gz.tell()
-                exported = io.BytesIO()
-                gz.export_index(fileobj=exported)
-                gz.seek(0)
-                entries = _table_of_contents(gz)
+            try:
+                with indexed_gzip.IndexedGzipFile(str(blob), spacing=span, readbuf_size=1 << 20) as gz:
+                    # Seeking past the end builds the whole index, the same points
+                    # as build_full_index, but with the GIL released (build_full_index
+                    # holds it), so the diff_id thread runs meanwhile.
+                    gz.seek(MAX_LAYER_BYTES + 1)
+                    points = [(u, c) for u, c in gz.seek_points()]
+                    try:
+                        gz.seek(0, io.SEEK_END)
+                    except indexed_gzip.NotCoveredError:
+                        raise UnsupportedLayer(f"the layer inflates to more than {MAX_LAYER_BYTES} bytes") from None
+                    uncompressed_size = gz.tell()
+                    exported = io.BytesIO()
+                    gz.export_index(fileobj=exported)
+                    gz.seek(0)
+                    entries = _table_of_contents(gz)
+            except (UnsupportedLayer, OSError) as exc:  # indexed_gzip: ZranError, CrcError
+                # A gzip stream containerd's reader fails on (truncated, or
+                # followed by what is not a gzip member) is refused for what
+                # is wrong with it, not for what indexed_gzip or the tar
+                # reader then make of it.
+                digested.result()
+                if isinstance(exc, UnsupportedLayer):
+                    raise
+                raise UnsupportedLayer(f"indexed_gzip cannot read the gzip stream: {exc}") from None
             bounds = _gzip_bounds(points, compressed_size, uncompressed_size)
             blocks = _digest_blocks(blob, bounds, progress)
             diff_id, hashed = digested.result()
@@ -148,10 +158,20 @@ def _gunzip_digest(blob: Path) -> tuple[str, int]:
     """The diff_id and length of the tar stream a gzip blob inflates to, every
     member in turn (as containerd's reader takes them), checking each
     member's CRC and length. Output is taken 4 MiB at a time: a small blob may
-    inflate to a huge stream."""
+    inflate to a huge stream.
+
+    The blob must be gzip members up to its last byte, as it must for
+    containerd's normal path (Go's compress/gzip, multistream, read to EOF
+    by the applier after the tar's end): a blob that ends inside a member
+    fails there with "unexpected EOF", and bytes after a member that do not
+    start another one (junk, or the zeros some tools pad with) with
+    "gzip: invalid header" (or "unexpected EOF" when fewer than a header's
+    10 bytes). Either is refused here, with the offset."""
     digest, size = hashlib.sha256(), 0
     member: zlib._Decompress | None = None
     pending = b""
+    consumed = 0  # bytes of the blob before `pending`
+    member_start, members = 0, 0
     try:
         with open(blob, "rb") as f:
             while True:
@@ -160,13 +180,16 @@ def _gunzip_digest(blob: Path) -> tuple[str, int]:
                     if not pending:
                         break
                 if member is None:
-                    member = zlib.decompressobj(wbits=31)
+                    member, member_start = zlib.decompressobj(wbits=31), consumed
                 out = member.decompress(pending, 4 << 20)
                 digest.update(out)
                 size += len(out)
                 if member.eof:
+                    consumed += len(pending) - len(member.unused_data)
                     pending, member = member.unused_data, None
+                    members += 1
                 else:
+                    consumed += len(pending) - len(member.unconsumed_tail)
                     pending = member.unconsumed_tail
             if member is not None:
                 # All input taken; what inflate still holds is at most a few bytes.
@@ -174,8 +197,17 @@ def _gunzip_digest(blob: Path) -> tuple[str, int]:
                 digest.update(out)
                 size += len(out)
                 if not member.eof:
-                    raise UnsupportedLayer("the gzip stream ends in the middle of a member")
+                    raise UnsupportedLayer(
+                        f"the gzip stream ends in the middle of a member (at byte {consumed}, the member "
+                        f"starting at byte {member_start}): truncated, containerd fails on it (unexpected EOF)"
+                    )
     except zlib.error as exc:
+        if members:
+            raise UnsupportedLayer(
+                f"what follows the {members} complete gzip member(s) at byte {member_start} "
+                f"({blob.stat().st_size - member_start} bytes) does not read as a gzip member ({exc}): "
+                "trailing data, containerd fails on it (gzip: invalid header)"
+            ) from None
         raise UnsupportedLayer(f"not a readable gzip stream: {exc}") from None
     return "sha256:" + digest.hexdigest(), size
 

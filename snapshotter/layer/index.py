@@ -287,6 +287,15 @@ class LayerIndex:
             expected_u = b.uend
         if expected_u != self.uncompressed_size:
             raise IndexFormatError("blocks do not cover the uncompressed stream")
+        # The blob is read to its last byte on the normal path (containerd's
+        # applier drains the gzip reader after the tar), where a truncated
+        # stream or trailing bytes that are not a gzip member fail the pull;
+        # blocks that stop short of the blob's end would serve what the
+        # normal path refuses. (The remote Prepare also checks
+        # compressed_size against the layer's descriptor.)
+        end = self.blocks[-1].cend if self.blocks else 0
+        if end != self.compressed_size:
+            raise IndexFormatError(f"blocks end at byte {end}, not at the end of the {self.compressed_size}-byte blob")
         if self.compression == Compression.GZIP:
             try:
                 points = self.checkpoints_by_offset

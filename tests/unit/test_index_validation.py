@@ -478,7 +478,8 @@ def test_bootseer_index_indexes_the_layers_it_can_and_reports_the_others() -> No
     }
     assert "out of range" in report.skipped[digest_of(hostile)]
     assert "no file to link to" in report.skipped[digest_of(unapplicable)]
-    assert "could not be built" in report.skipped[digest_of(bytes(corrupt))]
+    # The gzip stream's own fault is the reason, not indexed_gzip's error on it.
+    assert "not a readable gzip stream" in report.skipped[digest_of(bytes(corrupt))]
     # The artifact is pushed for the layer that was indexed, and what it
     # holds decodes.
     assert report.artifact_digest and len(registry.artifacts) == 1
@@ -570,3 +571,117 @@ def test_bootseer_index_rebuilds_the_indexes_an_older_bootseer_built(monkeypatch
         LayerIndex.decode(registry.pushed[rebuilt.digest]).diff_id
         == "sha256:" + hashlib.sha256(gzip.decompress(old)).hexdigest()
     )
+
+
+# -- gzip streams containerd's normal path refuses ---------------------------
+#
+# containerd 1.6 (Go's compress/gzip, multistream; the applier reads the
+# stream to EOF after the tar): a truncated blob fails with "unexpected EOF",
+# junk or zero padding after the last member with "gzip: invalid header", and
+# a second member is read like the first (tests/lazy/test_gzip_parity.py).
+
+
+def _parity_tar() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in [member("d", tarfile.DIRTYPE), member("d/a", data=os.urandom(200_000))]:
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+PARITY_TAR = _parity_tar()
+PARITY_GZIP = gzip.compress(PARITY_TAR, 6, mtime=0)
+
+
+@pytest.mark.parametrize(
+    "length",
+    # Mid-stream; inside the deflate data's last bytes; without all of the
+    # trailer, its ISIZE, its last byte.
+    [len(PARITY_GZIP) // 2, len(PARITY_GZIP) - 12, len(PARITY_GZIP) - 8, len(PARITY_GZIP) - 4, len(PARITY_GZIP) - 1],
+    ids=["mid-stream", "end-of-deflate", "no-trailer", "no-isize", "last-byte"],
+)
+def test_bootseer_index_refuses_a_truncated_gzip_layer(tmp_path: Path, length: int) -> None:
+    blob = PARITY_GZIP[:length]
+    with pytest.raises(UnsupportedLayer, match=r"ends in the middle of a member.*truncated"):
+        index_of(blob, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [b"this is not a gzip member, just junk\n", b"xy", bytes(512), bytes(3), b"\x1f\x8b" + bytes(30)],
+    ids=["junk", "short-junk", "zeros", "few-zeros", "bad-second-header"],
+)
+def test_bootseer_index_refuses_trailing_bytes_after_the_gzip_stream(tmp_path: Path, tail: bytes) -> None:
+    with pytest.raises(UnsupportedLayer, match=f"at byte {len(PARITY_GZIP)} .*trailing data|middle of a member"):
+        index_of(PARITY_GZIP + tail, tmp_path)
+
+
+def test_bootseer_index_takes_a_multi_member_gzip_layer_as_containerd_does(tmp_path: Path) -> None:
+    half = len(PARITY_TAR) // 2
+    blob = gzip.compress(PARITY_TAR[:half], 6, mtime=0) + gzip.compress(PARITY_TAR[half:], 6, mtime=0)
+    index = index_of(blob + gzip.compress(b"", mtime=0), tmp_path)
+    assert index.diff_id == digest_of(PARITY_TAR) and index.uncompressed_size == len(PARITY_TAR)
+    assert index.blocks[-1].cend == index.compressed_size == len(blob) + 20
+    assert [e.name for e in index.entries] == ["d", "d/a"]
+
+
+@pytest.mark.parametrize("extra", [1, 37])
+def test_an_index_whose_blocks_stop_short_of_the_blob_is_refused(tmp_path: Path, extra: int) -> None:
+    """An index of a blob's readable part, claiming the whole blob (junk after it)."""
+    index = index_of(PARITY_GZIP, tmp_path)
+    with pytest.raises(IndexFormatError, match=f"blocks end at byte {len(PARITY_GZIP)}, not at the end"):
+        LayerIndex.decode(dataclasses.replace(index, compressed_size=len(PARITY_GZIP) + extra).encode())
+
+
+def _image_manifest(index: LayerIndex, layer_size: int) -> bytes:
+    """An image manifest listing the index's layer with `layer_size` bytes."""
+    return json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": media.OCI_MANIFEST,
+            "config": {"mediaType": media.OCI_CONFIG, "digest": digest_of(b"{}"), "size": 2},
+            "layers": [{"mediaType": media.OCI_LAYER_GZIP, "digest": index.layer_digest, "size": layer_size}],
+        }
+    ).encode()
+
+
+def _remote_with(index: LayerIndex, layer_size: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RemoteLayers:
+    encoded = index.encode()
+    blob = Descriptor(MEDIA_TYPE, digest_of(encoded), len(encoded), annotations={LAYER_ANNOTATION: index.layer_digest})
+    config = Descriptor(media.OCI_CONFIG, digest_of(b"{}"), 2)
+    monkeypatch.setattr(registry_artifact, "referrers", lambda *_: [Manifest(media.OCI_MANIFEST, config, (blob,))])
+    image = _image_manifest(index, layer_size)
+
+    class Registry:
+        def fetch_blob(self, ref: Reference, digest: str, dest: io.BytesIO) -> None:
+            assert digest == blob.digest
+            dest.write(encoded)
+
+        def fetch_manifest(self, ref: Reference) -> tuple[bytes, str, str]:
+            assert ref.object == digest_of(image)
+            return image, media.OCI_MANIFEST, digest_of(image)
+
+    return RemoteLayers(LayerStore(tmp_path / "layers"), tmp_path / "m", lambda: cast(RegistryClient, Registry()), 0)
+
+
+@pytest.mark.parametrize("layer_size", [len(PARITY_GZIP) // 2, len(PARITY_GZIP) + 512])
+def test_the_lazy_prepare_refuses_an_index_not_ending_at_the_layers_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layer_size: int
+) -> None:
+    """The layer blob is truncated (smaller than the index says) or carries
+    trailing bytes (larger): the index describes its readable part."""
+    index = dataclasses.replace(index_of(PARITY_GZIP, tmp_path), layer_digest="sha256:" + "5" * 64)
+    remote = _remote_with(index, layer_size, tmp_path, monkeypatch)
+    manifest_digest = digest_of(_image_manifest(index, layer_size))
+    ref = parse_reference("registry.example/team/app:v1")
+    with pytest.raises(NotLazy, match=f"blob of {len(PARITY_GZIP)} bytes, the image manifest's layer has {layer_size}"):
+        remote._store_index(ref, manifest_digest, index.layer_digest)
+    assert not remote.store.has(index.layer_digest)
+
+
+def test_the_lazy_prepare_takes_an_index_of_the_whole_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    index = dataclasses.replace(index_of(PARITY_GZIP, tmp_path), layer_digest="sha256:" + "5" * 64)
+    remote = _remote_with(index, len(PARITY_GZIP), tmp_path, monkeypatch)
+    ref = parse_reference("registry.example/team/app:v1")
+    stored = remote._store_index(ref, digest_of(_image_manifest(index, len(PARITY_GZIP))), index.layer_digest)
+    assert stored.compressed_size == len(PARITY_GZIP) and remote.store.has(index.layer_digest)
