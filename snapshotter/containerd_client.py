@@ -90,6 +90,12 @@ class ContainerdClient:
         finally:
             self.leases.Delete(leases_pb2.DeleteRequest(id=response.lease.id), metadata=self.metadata())
 
+    def hold_snapshot(self, lease: str, snapshotter: str, key: str) -> None:
+        """Keep snapshot `key` from containerd's garbage collector while the
+        lease lives (it may hold nothing else that refers to it yet)."""
+        resource = leases_pb2.Resource(id=key, type=f"snapshots/{snapshotter}")
+        self.leases.AddResource(leases_pb2.AddResourceRequest(id=lease, resource=resource), metadata=self.metadata())
+
     # -- content --------------------------------------------------------------
 
     def content_info(self, digest: str) -> content_pb2.Info | None:

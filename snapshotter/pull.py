@@ -184,6 +184,10 @@ class Puller:
     ) -> LayerResult:
         layer = image.manifest.layers[i]
         chain_id, parent = chains[i], chains[i - 1] if i else ""
+        # Held before it is looked at: a snapshot nothing refers to (left by
+        # a failed pull) may otherwise be collected between this Stat and the
+        # Prepare of the layer above it.
+        self.containerd.hold_snapshot(lease, self.snapshotter, chain_id)
         if self.containerd.stat_snapshot(self.snapshotter, chain_id) is not None:
             return LayerResult(layer.digest, chain_id, "present")
         labels = remote_snapshot_labels(str(image.ref), image.manifest_digest, image.manifest.layers, i, chain_id)
