@@ -285,8 +285,13 @@ def test_unusable_manifest_is_ignored_and_the_run_recorded(make_node: Callable[.
         await wait_for("a new local manifest", lambda: node.local.get(IMAGE) != unusable)
 
     run(node, body)
-    # Only the two reads fetched anything: no prefetch of the old manifest.
-    assert node.fetches == [node.run_range(0, 5, 5), node.run_range(1, 7, 7)]
+    # The reads fetched their blocks. Nothing of the unusable manifest was
+    # prefetched, except, for the stale one, what it names in layer 0, which
+    # checks out: layers are checked as they are queued, and trio may run
+    # layer 0's check and its prefetch before layer 1's check stops it.
+    reads = [node.run_range(0, 5, 5), node.run_range(1, 7, 7)]
+    allowed = [node.run_range(0, 2, 2)] if spoilt == "stale" else []
+    assert [f for f in node.fetches if f not in allowed] == reads
     recorded = node.local.get(IMAGE)
     assert recorded is not None and recorded.image == IMAGE and recorded.runs == 1
     assert blocks_of(recorded) == [(node.digests[0], 5), (node.digests[1], 7)]
