@@ -37,10 +37,23 @@ class LazyNode:
         return self.bootseer("index", "--quiet", ref).stdout
 
     def pull(self, ref: str) -> str:
+        return self.try_pull(ref, check=True).stdout
+
+    def try_pull(self, ref: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+        """`bootseer pull` into this node's containerd; by default its outcome,
+        whatever it is, for tests of pulls that must fail."""
         c = self.containerd
         return self.bootseer(
-            "pull", "--address", str(c.address), "--namespace", c.namespace, "--snapshotter", "bootseer", ref
-        ).stdout
+            "pull",
+            "--address",
+            str(c.address),
+            "--namespace",
+            c.namespace,
+            "--snapshotter",
+            "bootseer",
+            ref,
+            check=check,
+        )
 
 
 def start_lazy_node(registry_host: str) -> LazyNode:

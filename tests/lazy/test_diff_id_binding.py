@@ -81,17 +81,7 @@ def attack(node: LazyNode, images: ImageBuilder, name: str, base: list[Entry]) -
     node.index(victim.ref)
     node.index(attacker.ref)
     c = node.containerd
-    pulled = node.bootseer(
-        "pull",
-        "--address",
-        str(c.address),
-        "--namespace",
-        c.namespace,
-        "--snapshotter",
-        "bootseer",
-        attacker.ref,
-        check=False,
-    )
+    pulled = node.try_pull(attacker.ref)
     assert pulled.returncode != 0, pulled.stdout + pulled.stderr
     assert "but the config says" in pulled.stderr and victim.layout.diff_ids[1] in pulled.stderr, pulled.stderr
     # A's bytes are committed under no chainID of V's.
