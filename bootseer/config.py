@@ -19,6 +19,7 @@ from snapshotter.cri.settings import CriConfig
 from snapshotter.fs.settings import FsConfig
 from snapshotter.registry.settings import RegistryConfig
 from snapshotter.settings import SnapshotterConfig
+from snapshotter.trust import TrustConfig
 
 DEFAULT_PATH = Path("/etc/bootseer/config.toml")
 
@@ -42,6 +43,7 @@ class Config:
     fs: FsConfig = field(default_factory=FsConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     cri: CriConfig = field(default_factory=CriConfig)
+    trust: TrustConfig = field(default_factory=TrustConfig)
     hdfs_fuse: HdfsFuseConfig = field(default_factory=HdfsFuseConfig)
     depsnap: DepsnapConfig = field(default_factory=DepsnapConfig)
 
@@ -66,6 +68,10 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
             if not isinstance(raw, str) or not raw:
                 raise ConfigError(f"{where}{key} must be a non-empty path string")
             values[key] = Path(raw)
+        elif isinstance(default, list):
+            if not isinstance(raw, list) or not all(isinstance(item, str) and item for item in raw):
+                raise ConfigError(f"{where}{key} must be a list of non-empty strings")
+            values[key] = list(raw)
         elif isinstance(default, float) and isinstance(raw, int) and not isinstance(raw, bool):
             values[key] = float(raw)
         else:

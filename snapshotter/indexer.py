@@ -1,7 +1,8 @@
 """`bootseer index IMAGE`: read each layer of an image once, build its layer
 index and push the indexes as an OCI artifact whose subject is the image
-manifest. Idempotent: layers already indexed (with this index format
-version) are not read again."""
+manifest, each index signed with the `[trust] signing_key` if there is one.
+Idempotent: layers already indexed (with this index format version, and
+signed by this key when there is one) are not read again."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tqdm import tqdm
 
 from snapshotter.layer.artifact import index_blobs
@@ -25,6 +27,7 @@ from snapshotter.layer.index import (
     VERSION_ANNOTATION,
     LayerIndex,
 )
+from snapshotter.layer.signature import Signature, Verifier, key_id, sign
 from snapshotter.registry import artifact, media
 from snapshotter.registry.client import RegistryClient
 from snapshotter.registry.media import Descriptor
@@ -40,6 +43,7 @@ INDEXABLE = (media.OCI_LAYER, media.OCI_LAYER_GZIP, media.DOCKER_LAYER_GZIP)
 class IndexReport:
     manifest_digest: str
     artifact_digest: str = ""
+    signer: str = ""  # key_id the new indexes are signed with; "" unsigned
     indexed: list[str] = field(default_factory=list)  # layers indexed by this run
     reused: list[str] = field(default_factory=list)  # layers an earlier run indexed
     skipped: dict[str, str] = field(default_factory=dict)  # layer -> why not lazily servable
@@ -51,13 +55,16 @@ def index_image(
     platform: str | None = None,
     span: int = DEFAULT_SPAN,
     show_progress: bool = True,
+    signing_key: Ed25519PrivateKey | None = None,
 ) -> IndexReport:
     image = client.resolve(ref, platform)
     report = IndexReport(manifest_digest=image.manifest_digest)
-    existing = index_blobs(artifact.referrers(client, ref, image.manifest_digest, ARTIFACT_TYPE))
+    if signing_key is not None:
+        report.signer = key_id(signing_key.public_key())
+    existing = index_blobs(artifact.referrers(client, ref, image.manifest_digest, ARTIFACT_TYPE), _current(signing_key))
     blobs: list[Descriptor] = []
     for layer in image.manifest.layers:
-        if layer.digest in existing and _current(existing[layer.digest]):
+        if layer.digest in existing:
             report.reused.append(layer.digest)
             blobs.append(existing[layer.digest])
             continue
@@ -72,6 +79,8 @@ def index_image(
             continue
         desc = client.push_blob(ref, encoded, media_type=MEDIA_TYPE)
         annotations = {LAYER_ANNOTATION: layer.digest, VERSION_ANNOTATION: str(FORMAT_VERSION)}
+        if signing_key is not None:
+            annotations |= sign(signing_key, layer.digest, desc.digest).annotations()
         blobs.append(Descriptor(MEDIA_TYPE, desc.digest, desc.size, annotations=annotations))
         report.indexed.append(layer.digest)
     if not report.indexed:
@@ -81,11 +90,22 @@ def index_image(
     return report
 
 
-def _current(blob: Descriptor) -> bool:
-    """An index blob of this format version: one an older bootseer built (no
-    version annotation, format 1 without a diff_id) is built again, so that
-    running `bootseer index` upgrades an image."""
-    return blob.annotations.get(VERSION_ANNOTATION) == str(FORMAT_VERSION)
+def _current(signing_key: Ed25519PrivateKey | None) -> Callable[[str, Descriptor], bool]:
+    """Which existing index blobs stand: one of this format version (one an
+    older bootseer built, without the version annotation, is format 1 without
+    a diff_id), and signed by this run's key if it has one. Anything else is
+    built again, so that running `bootseer index` upgrades an image or signs
+    its indexes; this run never vouches for an index it did not build."""
+    verifier = Verifier([signing_key.public_key()]) if signing_key is not None else None
+
+    def current(layer_digest: str, blob: Descriptor) -> bool:
+        if blob.annotations.get(VERSION_ANNOTATION) != str(FORMAT_VERSION):
+            return False
+        if verifier is None:
+            return True
+        return verifier.verify(Signature.from_annotations(blob.annotations), layer_digest, blob.digest)
+
+    return current
 
 
 def _index_layer(client: RegistryClient, ref: Reference, layer: Descriptor, span: int, show_progress: bool) -> bytes:

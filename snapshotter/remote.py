@@ -2,10 +2,14 @@
 hand the layer to the FUSE layer server, and tell containerd the layer
 already exists.
 
-Trust: the index is used only if it arrived through an artifact manifest
-fetched by digest whose `subject` is the pulled image's manifest, inside a
-blob whose digest that manifest lists, and if it describes exactly the layer
-containerd asked for. Anything else leaves the layer to the normal path.
+Trust: the index is used only if a key in `[trust] keys` signed it (over the
+layer's digest and the index blob's), if it arrived through an artifact
+manifest fetched by digest whose `subject` is the pulled image's manifest,
+inside a blob whose digest that manifest lists, and if it describes exactly
+the layer containerd asked for. Nothing else binds what the lazy path serves
+to the layer's bytes (docs/layer-index.md, Signatures). Anything else leaves
+the layer to the normal path; a stored copy of an index is used again only
+while its recorded signature still verifies.
 
 Binding: containerd commits a layer under the chainID the image's config
 gives (its diff_ids), and any later image whose config gives the same chain
@@ -32,12 +36,14 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from snapshotter import labels
+from snapshotter import labels, parents
 from snapshotter.fs import control
 from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
 from snapshotter.labels import RemoteLayerLabels
 from snapshotter.layer.artifact import index_blobs
 from snapshotter.layer.index import ARTIFACT_TYPE, IndexFormatError, LayerIndex, chain_id, is_sha256_digest
+from snapshotter.layer.signature import Signature
+from snapshotter.layer.tree import implicit_dirs
 from snapshotter.model import Snapshot
 from snapshotter.registry import artifact, media
 from snapshotter.registry.auth import CredentialsError
@@ -51,6 +57,7 @@ from snapshotter.registry.errors import (
 from snapshotter.registry.media import Descriptor
 from snapshotter.registry.reference import Reference
 from snapshotter.registry.reference import parse as parse_reference
+from snapshotter.trust import IndexTrust
 
 if TYPE_CHECKING:
     from snapshotter.registry.client import RegistryClient
@@ -75,10 +82,14 @@ class Reason(enum.StrEnum):
     REGISTRY_UNREACHABLE = "registry_unreachable"  # no answer after the retries, or past the deadline
     REGISTRY_ERROR = "registry_error"  # 5xx/429 after the retries, or an answer that is wrong
     INDEX_REFUSED = "index_refused"  # the index does not decode, validate or match the layer (or is v1)
+    INDEX_UNTRUSTED = "index_untrusted"  # no key in [trust] keys signed the layer's index
     # the chainID containerd asked for is not the one the index's diff_id gives
     # (the image's config claims another layer's diff_id), or the parent's chain is unknown
     DIFF_ID_MISMATCH = "diff_id_mismatch"
     LAYER_REFUSED = "layer_refused"  # the layer server answered EIO for the layer, or does not show it
+    # the layer lacks an entry for a directory a lower layer has with other
+    # attributes, which containerd copies and the lazy tree cannot (parents.py)
+    IMPLICIT_DIRS = "implicit_dirs"
     ERROR = "error"  # anything else (a full disk, a bug): see the log line
 
     @property
@@ -118,14 +129,16 @@ def reason_of(exc: BaseException) -> Reason:
 class RemotePrepare(RemoteLayerLabels):
     """A remote layer's Prepare with the chain it goes on: `parent_chain` is
     the parent snapshot's chainID ("" for a bottom layer), None if the
-    parent is not a snapshot of an image layer."""
+    parent is not a snapshot of an image layer; `lowers` the directories of
+    the parent snapshot and its ancestors, nearest first."""
 
     parent_chain: str | None
+    lowers: tuple[Path, ...] = ()
 
     @classmethod
-    def of(cls, wanted: RemoteLayerLabels, parent_key: str) -> RemotePrepare:
+    def of(cls, wanted: RemoteLayerLabels, parent_key: str, lowers: tuple[Path, ...] = ()) -> RemotePrepare:
         fields = {f.name: getattr(wanted, f.name) for f in dataclasses.fields(RemoteLayerLabels)}
-        return cls(**fields, parent_chain=parent_chain_of(parent_key))
+        return cls(**fields, parent_chain=parent_chain_of(parent_key), lowers=lowers)
 
 
 def parent_chain_of(parent_key: str) -> str | None:
@@ -166,6 +179,15 @@ class LazyLayer:
     index: LayerIndex
 
 
+@dataclass(frozen=True)
+class ImageIndexes:
+    """The index blobs attached to one image manifest, per layer digest: the
+    newest of each layer's (`any`), and the newest a trusted key signed."""
+
+    any: dict[str, Descriptor]
+    trusted: dict[str, Descriptor]
+
+
 class RemoteLayers:
     def __init__(
         self,
@@ -173,14 +195,16 @@ class RemoteLayers:
         mountpoint: Path,
         client_factory: Callable[[], RegistryClient],
         gc_grace_s: float,
+        trust: IndexTrust,
     ) -> None:
         self.store = store
+        self.trust = trust
         self.gc_grace_s = gc_grace_s
         self.mountpoint = mountpoint
         self._client_factory = client_factory
         self._client: RegistryClient | None = None
-        # Index blobs per image manifest: {layer digest: index blob descriptor digest}.
-        self._artifacts: dict[str, dict[str, Descriptor]] = {}
+        # Index blobs per image manifest.
+        self._artifacts: dict[str, ImageIndexes] = {}
         self._resolved: dict[str, str] = {}
         # Layer blob sizes per image manifest, as its descriptors give them.
         self._sizes: dict[str, dict[str, int]] = {}
@@ -220,6 +244,9 @@ class RemoteLayers:
             self._stored(ref, manifest_digest, digest)
         index = stored.result()
         check_chain(wanted.parent_chain, index.diff_id, wanted.target)
+        implicit = implicit_dirs(index.entries)
+        if implicit and (why := parents.differing(implicit, wanted.lowers)):
+            raise NotLazy(Reason.IMPLICIT_DIRS, why)
         path = self.mountpoint / name
         try:
             shown = control.lookup(self.mountpoint, name)
@@ -250,16 +277,28 @@ class RemoteLayers:
             self._indexes.pop(layer_digest, None)
 
     def _store_index(self, ref: Reference, manifest_digest: str, layer_digest: str) -> LayerIndex:
+        name = layer_name(layer_digest)
         if self.store.has(layer_digest):
-            stored = self.store.load(layer_name(layer_digest))[0]
-            if stored.diff_id:
+            stored, source = self.store.load(name)
+            stored_digest = self.store.index_digest(name)
+            if stored.diff_id and self.trust.accepts(layer_digest, stored_digest, source.signature):
                 return stored
-            # Stored by an older bootseer (version 1, no diff_id): the layer
-            # server goes on serving it, and the registry's index (rebuilt by
-            # `bootseer index`) says the diff_id.
-            return self._fetch_index(ref, manifest_digest, layer_digest)[0]
-        index, encoded = self._fetch_index(ref, manifest_digest, layer_digest)
-        self.store.add(index, LayerSource(ref=ref.name, digest=layer_digest), encoded)
+            # Stored by an older bootseer (format 1, or unsigned) or signed by
+            # a key no longer trusted. The layer server goes on serving it to
+            # the containers that use it; a new snapshot may use it only if it
+            # is the very blob a trusted key signed.
+            _, _, blob = self._fetch_index(ref, manifest_digest, layer_digest)
+            if blob.digest != stored_digest:
+                raise NotLazy(
+                    Reason.INDEX_REFUSED,
+                    f"this node holds another copy of the index of {layer_digest} ({stored_digest}, stored "
+                    f"by an older bootseer or from an index no trusted key signed) than the trusted {blob.digest}; "
+                    "the layer unpacks the normal way until no snapshot uses that copy and it is pruned",
+                )
+            return stored
+        index, encoded, blob = self._fetch_index(ref, manifest_digest, layer_digest)
+        source = LayerSource(ref=ref.name, digest=layer_digest, signature=Signature.from_annotations(blob.annotations))
+        self.store.add(index, source, encoded)
         self._preload(layer_digest)
         return index
 
@@ -323,13 +362,19 @@ class RemoteLayers:
         except OSError as exc:
             log.warning("could not announce the image to the layer server", image=manifest_digest, error=str(exc))
 
-    def _fetch_index(self, ref: Reference, manifest_digest: str, layer_digest: str) -> tuple[LayerIndex, bytes]:
-        blobs = self._index_blobs(ref, manifest_digest)
-        blob = blobs.get(layer_digest)
+    def _fetch_index(
+        self, ref: Reference, manifest_digest: str, layer_digest: str
+    ) -> tuple[LayerIndex, bytes, Descriptor]:
+        """The trusted index of a layer, its encoding and its blob's descriptor."""
+        indexes = self._index_blobs(ref, manifest_digest)
+        blob = indexes.trusted.get(layer_digest)
         if blob is None:
-            raise NotLazy(
-                Reason.LAYER_NOT_INDEXED, f"the index artifact of {manifest_digest} has no entry for {layer_digest}"
-            )
+            newest = indexes.any.get(layer_digest)
+            if newest is None:
+                raise NotLazy(
+                    Reason.LAYER_NOT_INDEXED, f"the index artifact of {manifest_digest} has no entry for {layer_digest}"
+                )
+            raise NotLazy(Reason.INDEX_UNTRUSTED, f"layer {layer_digest}: {self.trust.refusal(newest)}")
         buffer = io.BytesIO()
         self.client.fetch_blob(ref, blob.digest, buffer)
         encoded = buffer.getvalue()
@@ -358,18 +403,21 @@ class RemoteLayers:
                 f"the index of {layer_digest} describes a blob of {index.compressed_size} bytes, "
                 f"the image manifest's layer has {size}: the index does not cover the whole layer",
             )
-        return index, encoded
+        return index, encoded, blob
 
-    def _index_blobs(self, ref: Reference, manifest_digest: str) -> dict[str, Descriptor]:
+    def _index_blobs(self, ref: Reference, manifest_digest: str) -> ImageIndexes:
         with self._lock:
             cached = self._artifacts.get(manifest_digest)
         if cached is not None:
             return cached
-        blobs = index_blobs(artifact.referrers(self.client, ref, manifest_digest, ARTIFACT_TYPE))
-        if not blobs:
+        artifacts = artifact.referrers(self.client, ref, manifest_digest, ARTIFACT_TYPE)
+        indexes = ImageIndexes(any=index_blobs(artifacts), trusted=index_blobs(artifacts, self.trust.accepts_blob))
+        if not indexes.any:
             raise NotLazy(
                 Reason.NO_INDEX, f"image {ref} ({manifest_digest}) has no bootseer index; run `bootseer index {ref}`"
             )
-        with self._lock:
-            self._artifacts[manifest_digest] = blobs
-        return blobs
+        if indexes.trusted:
+            # Not before: a signed index attached later is found at the next Prepare.
+            with self._lock:
+                self._artifacts[manifest_digest] = indexes
+        return indexes

@@ -30,6 +30,7 @@ from snapshotter.remote import RemoteLayers
 from snapshotter.service import SnapshotsService
 from snapshotter.settings import SnapshotterConfig
 from snapshotter.snapshots import Snapshotter
+from snapshotter.trust import IndexTrust, TrustConfig
 
 if TYPE_CHECKING:
     from snapshotter.cri.proxy import CriProxy
@@ -56,16 +57,24 @@ def _prepare_socket(path: Path) -> None:
         raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
 
 
-def _remote_layers(config: SnapshotterConfig, fs: FsConfig, registry: RegistryConfig) -> RemoteLayers | None:
+def _remote_layers(
+    config: SnapshotterConfig, fs: FsConfig, registry: RegistryConfig, trust: TrustConfig
+) -> RemoteLayers | None:
     if not config.lazy:
         return None
+    index_trust = IndexTrust.from_config(trust)
+    if index_trust.required and not index_trust.verifier.key_ids:
+        log.warning(
+            "[trust] keys is empty: no index is trusted, so every layer unpacks the normal way "
+            "(add the public key `bootseer index` signs with, see docs/layer-index.md)"
+        )
 
     def client() -> RegistryClient:
         from snapshotter.registry.config import client_from_config
 
         return client_from_config(registry)
 
-    return RemoteLayers(LayerStore(fs.store), fs.mountpoint, client, fs.layer_gc_grace_s)
+    return RemoteLayers(LayerStore(fs.store), fs.mountpoint, client, fs.layer_gc_grace_s, index_trust)
 
 
 def _cri_proxy(cri: CriConfig, registry: RegistryConfig) -> CriProxy | None:
@@ -152,6 +161,7 @@ def serve(
     fs: FsConfig,
     registry: RegistryConfig,
     cri: CriConfig | None = None,
+    trust: TrustConfig | None = None,
     *,
     on_started: Callable[[Callable[[], str | None]], None] = lambda _health: None,
     on_ready: Callable[[], None] = lambda: None,
@@ -162,7 +172,7 @@ def serve(
     `on_started(health)` once the store is open and the servers run
     (`health()`: None when healthy, else why not); `on_ready()` once every
     socket accepts; `on_stopping()` when a signal starts the shutdown."""
-    snapshotter = Snapshotter(config.root, _remote_layers(config, fs, registry))
+    snapshotter = Snapshotter(config.root, _remote_layers(config, fs, registry, trust or TrustConfig()))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS))
     pb_grpc.add_SnapshotsServicer_to_server(SnapshotsService(snapshotter), server)
     proxy = _cri_proxy(cri or CriConfig(), registry)

@@ -104,12 +104,15 @@ class Snapshotter:
         name = f"{namespace}/remote/{target}" if namespace else f"remote/{target}"
         with self.store.read() as txn:
             existing = txn.get(name)
+            parent_snap = txn.get(parent) if parent else None
+            chain = [parent_snap, *txn.ancestors(parent_snap)] if parent_snap is not None else []
         if existing is not None and existing.parent == parent:
             _LAYERS[Reason.SERVED].inc()
             raise AlreadyExists(f"target snapshot {target!r} is already served lazily as {name!r}")
+        lowers = tuple(self.fs_path(s) for s in chain)
         try:
             # The parent's chainID binds the layer's index to the target.
-            lazy = self.remote.prepare(RemotePrepare.of(remote, parent))
+            lazy = self.remote.prepare(RemotePrepare.of(remote, parent, lowers))
             self._commit_remote(name, parent, {**labels, label_keys.REMOTE: "true"}, lazy)
         except AlreadyExists:
             # Committed meanwhile by a Prepare of the same layer: served lazily all the same.

@@ -4,6 +4,7 @@ snapshotter part's daemons, and indexing an image for lazy pulling."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from bootseer.options import EXIT_USAGE, CommandError, add_common_arguments, load_config, override
@@ -13,6 +14,7 @@ from snapshotter.layer.index import DEFAULT_SPAN, MAX_BLOCK_BYTES
 def _run(args: argparse.Namespace) -> int:
     from bootseer.daemon import Daemon
     from snapshotter.server import serve
+    from snapshotter.trust import TrustError
 
     cfg = load_config(args)
     override(cfg.snapshotter, args, root="root", address="address", metrics_address="metrics_address", lazy="lazy")
@@ -23,15 +25,19 @@ def _run(args: argparse.Namespace) -> int:
     if cfg.cri.address:
         status += f"; CRI image service proxy on {cfg.cri.address}"
     with Daemon("the snapshotter", status, cfg.snapshotter.metrics_address) as daemon:
-        serve(
-            cfg.snapshotter,
-            cfg.fs,
-            cfg.registry,
-            cfg.cri,
-            on_started=daemon.started,
-            on_ready=daemon.ready,
-            on_stopping=daemon.stopping,
-        )
+        try:
+            serve(
+                cfg.snapshotter,
+                cfg.fs,
+                cfg.registry,
+                cfg.cri,
+                cfg.trust,
+                on_started=daemon.started,
+                on_ready=daemon.ready,
+                on_stopping=daemon.stopping,
+            )
+        except TrustError as exc:
+            raise CommandError(str(exc)) from None
     return 0
 
 
@@ -57,16 +63,32 @@ def _run_index(args: argparse.Namespace) -> int:
     from snapshotter.registry.errors import RegistryError
     from snapshotter.registry.reference import InvalidReference
     from snapshotter.registry.reference import parse as parse_reference
+    from snapshotter.trust import TrustError, signing_key
 
     cfg = load_config(args)
+    override(cfg.trust, args, signing_key="signing_key")
     if not 0 < args.span <= MAX_BLOCK_BYTES:
         raise CommandError(f"--span must be between 1 and {MAX_BLOCK_BYTES} bytes", EXIT_USAGE)
+    try:
+        key = signing_key(cfg.trust)
+    except TrustError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    if key is None:
+        print(
+            "bootseer index: no [trust] signing_key: the indexes are pushed unsigned, and nodes that "
+            "require signatures (the default) will not serve them lazily",
+            file=sys.stderr,
+        )
     client = client_from_config(cfg.registry, plain_http=args.plain_http)
     try:
-        report = index_image(client, parse_reference(args.image), args.platform, args.span, not args.quiet)
+        report = index_image(
+            client, parse_reference(args.image), args.platform, args.span, not args.quiet, signing_key=key
+        )
     except (RegistryError, InvalidReference) as exc:
         raise CommandError(str(exc)) from None
     print(f"image manifest {report.manifest_digest}")
+    if report.signer:
+        print(f"signing with {report.signer}")
     for digest in report.indexed:
         print(f"  indexed  {digest}")
     for digest in report.reused:
@@ -158,4 +180,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="uncompressed bytes per block, the unit of lazy fetching (default 4 MiB, at most 128 MiB)",
     )
     index.add_argument("--quiet", action="store_true", help="no progress bars")
+    index.add_argument(
+        "--signing-key",
+        help="the Ed25519 private key (PEM) to sign the indexes with ([trust] signing_key); "
+        "nodes serve lazily only from indexes signed by a key in their [trust] keys",
+    )
     index.set_defaults(func=_run_index)

@@ -2,8 +2,11 @@
 layer server (which serves them):
 
     STORE/<hex>/index        the verified layer index
-    STORE/<hex>/source.json  where the blob lives and which copy this is:
-                             {"ref": "host/repo", "digest": "sha256:...", "generation": "<hex>"}
+    STORE/<hex>/source.json  where the blob lives, which copy this is and who
+                             signed the index: {"ref": "host/repo", "digest":
+                             "sha256:...", "generation": "<hex>", "signer":
+                             "sha256:...", "signature": "<base64>"} (the last
+                             two absent for an unsigned index)
     STORE/<hex>/cache        uncompressed layer bytes, filled block by block (sparse)
     STORE/blocks.lmdb/       the block index: (layer copy, block) -> state and crc
     STORE/hot.lmdb/          hot-block manifests this node holds (recorder.localstore)
@@ -19,6 +22,7 @@ block records.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -32,6 +36,7 @@ import structlog
 
 from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.layer.index import LayerIndex
+from snapshotter.layer.signature import Signature
 
 log = structlog.get_logger("bootseer.fs")
 
@@ -50,6 +55,9 @@ class LayerSource:
     ref: str  # host/repository the blob can be fetched from
     digest: str
     generation: str = ""  # set by LayerStore.add
+    # The index's signature as the registry carried it; the Prepare path
+    # checks it against [trust] keys again before a stored copy is used.
+    signature: Signature | None = None
 
     @property
     def cache_key(self) -> str:
@@ -104,6 +112,8 @@ class LayerStore:
         try:
             (staging / INDEX).write_bytes(encoded)
             record = {"ref": source.ref, "digest": source.digest, "generation": uuid.uuid4().hex}
+            if source.signature is not None:
+                record |= {"signer": source.signature.signer, "signature": source.signature.encoded}
             (staging / SOURCE).write_text(json.dumps(record))
             with open(staging / CACHE, "wb") as cache:
                 cache.truncate(index.uncompressed_size)
@@ -126,7 +136,15 @@ class LayerStore:
         source = json.loads((directory / SOURCE).read_text())
         if layer_name(index.layer_digest) != name:
             raise ValueError(f"layer {name} holds the index of {index.layer_digest}")
-        return index, LayerSource(ref=source["ref"], digest=source["digest"], generation=source["generation"])
+        signature = Signature.parse(source.get("signer", ""), source.get("signature", ""))
+        return index, LayerSource(
+            ref=source["ref"], digest=source["digest"], generation=source["generation"], signature=signature
+        )
+
+    def index_digest(self, name: str) -> str:
+        """The digest of the stored index blob, as a signature names it."""
+        with open(self.path(name) / INDEX, "rb") as f:
+            return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
 
     def generation(self, name: str) -> str | None:
         """The generation of the layer copy now in the store, None if absent."""

@@ -13,7 +13,9 @@ pkg/archive/tar.go), and all this builder needs:
   again at the layer root, `..` never climbs above it), so `esc -> /tmp/x`
   then `esc/pwned` puts `pwned` in `tmp/x`; missing directories appear with
   mode 0755 owned by root (mkparent; containerd copies a lower layer's
-  directory attributes instead when it has one, which one layer cannot know);
+  directory attributes instead when it has one, which one layer cannot know:
+  the tree lists them in `implicit_dirs`, for the Prepare path to compare
+  with the lower layers, snapshotter/parents.py);
 - a hardlink links to a path in this layer (hardlinkRootPath), never to a
   lower layer's file;
 - `.wh.NAME` becomes a 0/0 character device NAME and `.wh..wh..opq` marks its
@@ -96,6 +98,9 @@ class Node:
 @dataclass
 class LayerTree:
     nodes: dict[int, Node]
+    # Directories made for an entry's parent path before (or without) an
+    # entry of their own, as paths from the layer root; nearest the root first.
+    implicit_dirs: tuple[str, ...] = ()
 
     def lookup(self, parent: int, name: bytes) -> Node | None:
         node = self.nodes.get(parent)
@@ -113,6 +118,29 @@ def build_tree(entries: list[Entry]) -> LayerTree:
     return builder.finish()
 
 
+def implicit_dirs(entries: list[Entry]) -> tuple[str, ...]:
+    """LayerTree.implicit_dirs of the entries. Layers as docker, BuildKit and
+    most tar writers make them name every directory before what is in it and
+    have none: one pass over the names says so, without building the tree."""
+    named = {""}
+    for entry in entries:
+        parent, _, base = entry.name.rpartition("/")
+        if parent not in named:
+            return build_tree(entries).implicit_dirs
+        if entry.type == EntryType.DIR:
+            named.add(entry.name)
+            continue
+        replaced = entry.name
+        if base.startswith(WHITEOUT_PREFIX):
+            hidden = base[len(WHITEOUT_PREFIX) :]
+            replaced = f"{parent}/{hidden}" if parent else hidden
+        if replaced in named:
+            # A directory replaced by a file, symlink or whiteout: paths
+            # through it may now lead elsewhere.
+            return build_tree(entries).implicit_dirs
+    return ()
+
+
 class _Builder:
     def __init__(self) -> None:
         self.root = Node(ROOT, stat.S_IFDIR | 0o755, 0, 0, 0.0, children={})
@@ -123,6 +151,8 @@ class _Builder:
         # entries share a few parents. Emptied whenever a directory or symlink
         # goes, since paths through it then lead elsewhere.
         self.dirs: dict[str, Node] = {"": self.root}
+        # Inodes of directories made for a parent path (mkparent's).
+        self.implicit: set[int] = set()
 
     def add(self, entry: Entry) -> None:
         if entry.name == "":
@@ -212,6 +242,7 @@ class _Builder:
                 child = self.new_node(stat.S_IFDIR | 0o755, 0, 0, 0.0)
                 child.children = {}
                 _children(here)[part] = child.ino
+                self.implicit.add(child.ino)
             else:
                 child = self.nodes[ino]
                 if stat.S_ISLNK(child.mode):
@@ -288,7 +319,27 @@ class _Builder:
         for node in self.nodes.values():
             if node.children is not None:
                 node.nlink = 2 + sum(1 for c in node.children.values() if self.nodes[c].children is not None)
-        return LayerTree(self.nodes)
+        return LayerTree(self.nodes, self.implicit_paths())
+
+    def implicit_paths(self) -> tuple[str, ...]:
+        """Where the directories made for parent paths ended up (a later entry
+        of the same path keeps them listed: containerd copied the lower
+        layer's xattrs onto them before that entry's own)."""
+        if not self.implicit.intersection(self.nodes):
+            return ()
+        found = []
+        stack = [(self.root, "")]
+        while stack:
+            node, path = stack.pop()
+            for name, ino in sorted(_children(node).items(), reverse=True):
+                child = self.nodes[ino]
+                if child.children is None:
+                    continue
+                child_path = f"{path}/{os.fsdecode(name)}" if path else os.fsdecode(name)
+                if ino in self.implicit:
+                    found.append(child_path)
+                stack.append((child, child_path))
+        return tuple(sorted(found, key=lambda p: (p.count("/"), p)))
 
 
 def _merge_xattrs(node: Node, xattrs: dict[str, bytes], what: str) -> None:

@@ -21,6 +21,7 @@ from snapshotter.registry.reference import parse as parse_reference
 from tests.harness.cri import CriNode, push_pause_image, start_cri_node, stop_cri_node
 from tests.harness.oci import Dir, File, ImageBuilder, ImageLayout, PushedImage, busybox_layer
 from tests.harness.registry import PASSWORD, USER, AuthRegistry, Registry
+from tests.harness.trust import signing_keys
 
 # Blocks of 1 MiB (uncompressed) instead of the default 4 MiB, so reading one
 # small file costs a small share of a layer of a few tens of MB.
@@ -100,7 +101,8 @@ level = "warning"
 config_path = "{cri_node.config.certs_dir}"
 docker_config = "{auth_registry.docker_config()}"
 cri_credentials = ""
-"""
+
+{signing_keys().toml()}"""
     )
     try:
         yield PrivateImages(ImageBuilder(auth_registry.host, workdir, creds=f"{USER}:{PASSWORD}"), ci_config)

@@ -16,6 +16,7 @@ from pathlib import Path
 from tests.harness.procs import Daemon, free_tcp_port, start_daemon, wait_until
 from tests.harness.snapshotter import BOOTSEER_BIN
 from tests.harness.tree import unmount_under
+from tests.harness.trust import signing_keys
 
 
 @dataclass
@@ -88,7 +89,8 @@ whole_layer_bytes = {self.whole_layer_bytes}
 config_path = "{self.certs_dir}"
 docker_config = "{self.docker_config}"
 cri_credentials = "{self.cri_credentials}"
-"""
+
+{signing_keys().toml()}"""
         )
         return self.path
 

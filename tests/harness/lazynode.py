@@ -4,11 +4,15 @@ the `bootseer index` and `bootseer pull` commands pointed at them."""
 
 from __future__ import annotations
 
+import re
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tests.harness.containerd import Containerd, start_containerd
 from tests.harness.layerserver import LayerServer, start_layer_server
+from tests.harness.oci import File, ImageBuilder, busybox_layer
 from tests.harness.snapshotter import BOOTSEER_BIN, Snapshotter, start_snapshotter
 
 
@@ -54,6 +58,43 @@ class LazyNode:
             ref,
             check=check,
         )
+
+    def fallbacks(self, reason: str, layer: str) -> list[str]:
+        """The snapshotter's "layer takes the normal path" lines for `layer` with `reason`."""
+        text = re.sub(r"\x1b\[[0-9;]*m", "", self.snapshotter.daemon.log_path.read_text(errors="replace"))
+        return [
+            line
+            for line in text.splitlines()
+            if "layer takes the normal path" in line and f"reason={reason}" in line and layer in line
+        ]
+
+    @contextmanager
+    def bystander(self, images: ImageBuilder, name: str) -> Iterator[Bystander]:
+        """A container of another, lazily served image, running throughout."""
+        image = images.push(f"bystander/{name}", [busybox_layer(), [File("/mine.txt", b"mine\n")]])
+        self.index(image.ref)
+        self.pull(image.ref)
+        self.containerd.run(image.ref, name, "/bin/sleep", "600", detach=True)
+        try:
+            yield Bystander(self, name)
+        finally:
+            self.containerd.remove_container(name)
+
+
+@dataclass
+class Bystander:
+    node: LazyNode
+    container: str
+    reads: int = 0
+
+    def still_fine(self, case: str) -> None:
+        """The node's daemons are up and the running container still reads its file."""
+        node = self.node
+        assert node.layers.daemon.alive(), (case, node.layers.logs())
+        assert node.snapshotter.daemon.alive(), (case, node.snapshotter.daemon.log_tail())
+        self.reads += 1
+        shown = node.containerd.exec(self.container, f"{self.container}-read-{self.reads}", "/bin/cat", "/mine.txt")
+        assert shown == "mine\n", case
 
 
 def start_lazy_node(registry_host: str) -> LazyNode:

@@ -90,6 +90,9 @@ class Hardlink:
 
     path: str
     target: str
+    # A link to no earlier file of the layer (a lower layer's, or nothing):
+    # what a hostile layer can hold; the entry then says mode 0644, owner root.
+    dangling: bool = False
 
 
 @dataclass(frozen=True)
@@ -189,9 +192,11 @@ def _tarinfo(entry: Entry, files: Mapping[str, File]) -> tuple[tarfile.TarInfo, 
             ti = _header(path, tarfile.SYMTYPE, 0o777, uid, gid, mtime)
             ti.linkname = target
             return ti, None
-        case Hardlink(path, target_path):
+        case Hardlink(path, target_path, dangling):
             target = files.get(target_path)
-            if target is None:
+            if dangling:
+                target = File(target_path)
+            elif target is None:
                 raise ValueError(f"hardlink {path}: no file {target_path} earlier in the layer")
             ti = _header(path, tarfile.LNKTYPE, target.mode, target.uid, target.gid, target.mtime)
             ti.linkname = target_path.strip("/")

@@ -44,6 +44,7 @@ from snapshotter.registry.media import Descriptor, Manifest, Platform
 from snapshotter.registry.reference import Reference
 from snapshotter.registry.reference import parse as parse_reference
 from snapshotter.remote import NotLazy, Reason, RemoteLayers
+from tests.harness.trust import index_trust, signed
 
 Member = tuple[tarfile.TarInfo, bytes]
 
@@ -529,7 +530,7 @@ def test_a_version_1_index_is_refused_for_the_lazy_path_with_the_re_index_messag
     valid: LayerIndex, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     old = version_1(valid)
-    blob = Descriptor(MEDIA_TYPE, digest_of(old), len(old), annotations={LAYER_ANNOTATION: valid.layer_digest})
+    blob = signed(Descriptor(MEDIA_TYPE, digest_of(old), len(old), annotations={LAYER_ANNOTATION: valid.layer_digest}))
     config = Descriptor(media.OCI_CONFIG, digest_of(b"{}"), 2)
     monkeypatch.setattr(registry_artifact, "referrers", lambda *_: [Manifest(media.OCI_MANIFEST, config, (blob,))])
 
@@ -538,7 +539,9 @@ def test_a_version_1_index_is_refused_for_the_lazy_path_with_the_re_index_messag
             assert digest == blob.digest
             dest.write(old)
 
-    remote = RemoteLayers(LayerStore(tmp_path / "layers"), tmp_path / "m", lambda: cast(RegistryClient, Registry()), 0)
+    remote = RemoteLayers(
+        LayerStore(tmp_path / "layers"), tmp_path / "m", lambda: cast(RegistryClient, Registry()), 0, index_trust()
+    )
     ref = parse_reference("registry.example/team/app:v1")
     with pytest.raises(NotLazy, match=r"format version 1.*re-run `bootseer index registry.example/team/app:v1`") as no:
         remote._store_index(ref, "sha256:" + "2" * 64, valid.layer_digest)
@@ -647,7 +650,9 @@ def _image_manifest(index: LayerIndex, layer_size: int) -> bytes:
 
 def _remote_with(index: LayerIndex, layer_size: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RemoteLayers:
     encoded = index.encode()
-    blob = Descriptor(MEDIA_TYPE, digest_of(encoded), len(encoded), annotations={LAYER_ANNOTATION: index.layer_digest})
+    blob = signed(
+        Descriptor(MEDIA_TYPE, digest_of(encoded), len(encoded), annotations={LAYER_ANNOTATION: index.layer_digest})
+    )
     config = Descriptor(media.OCI_CONFIG, digest_of(b"{}"), 2)
     monkeypatch.setattr(registry_artifact, "referrers", lambda *_: [Manifest(media.OCI_MANIFEST, config, (blob,))])
     image = _image_manifest(index, layer_size)
@@ -661,7 +666,9 @@ def _remote_with(index: LayerIndex, layer_size: int, tmp_path: Path, monkeypatch
             assert ref.object == digest_of(image)
             return image, media.OCI_MANIFEST, digest_of(image)
 
-    return RemoteLayers(LayerStore(tmp_path / "layers"), tmp_path / "m", lambda: cast(RegistryClient, Registry()), 0)
+    return RemoteLayers(
+        LayerStore(tmp_path / "layers"), tmp_path / "m", lambda: cast(RegistryClient, Registry()), 0, index_trust()
+    )
 
 
 @pytest.mark.parametrize("layer_size", [len(PARITY_GZIP) // 2, len(PARITY_GZIP) + 512])

@@ -35,6 +35,7 @@ from snapshotter.snapshots import Snapshotter
 from snapshotter.store import MetadataStore
 from snapshotter.usage import Usage
 from tests.contract.deep_tree import build_deep_tree, remove_deep_tree
+from tests.harness.trust import index_trust
 
 
 @pytest.fixture
@@ -280,7 +281,9 @@ def _no_registry() -> NoReturn:
 @pytest.fixture
 def lazy_snaps(tmp_path: Path) -> Iterator[Snapshotter]:
     """A snapshotter with a layer store to prune (and no registry to reach)."""
-    s = Snapshotter(tmp_path / "root", RemoteLayers(LayerStore(tmp_path / "layers"), tmp_path / "m", _no_registry, 0))
+    s = Snapshotter(
+        tmp_path / "root", RemoteLayers(LayerStore(tmp_path / "layers"), tmp_path / "m", _no_registry, 0, index_trust())
+    )
     yield s
     s.close()
     remove_deep_tree(tmp_path / "root")
@@ -379,7 +382,7 @@ _AT = {"host": "registry.example.com", "repository": "team/train"}
 def test_a_layer_that_falls_back_is_counted_and_warned_about_with_its_reason(
     tmp_path: Path, error: Exception, reason: str
 ) -> None:
-    remote = _FailingRemote(LayerStore(tmp_path / "layers"), tmp_path / "m", _no_registry, 0)
+    remote = _FailingRemote(LayerStore(tmp_path / "layers"), tmp_path / "m", _no_registry, 0, index_trust())
     remote.error = error
     snaps = Snapshotter(tmp_path / "root", remote)
     try:
@@ -399,7 +402,7 @@ def test_a_layer_that_falls_back_is_counted_and_warned_about_with_its_reason(
 
 def test_no_layer_server_is_its_own_reason(tmp_path: Path) -> None:
     # Nothing is mounted at the layer server's mountpoint.
-    remote = RemoteLayers(LayerStore(tmp_path / "layers"), tmp_path / "m", _no_registry, 0)
+    remote = RemoteLayers(LayerStore(tmp_path / "layers"), tmp_path / "m", _no_registry, 0, index_trust())
     snaps = Snapshotter(tmp_path / "root", remote)
     try:
         before = _layers("normal", "layer_server_down")
@@ -447,7 +450,7 @@ def test_a_layer_served_lazily_is_counted_as_lazy(tmp_path: Path) -> None:
         info.size = 6
         tar.addfile(info, io.BytesIO(b"hello\n"))
     blob.write_bytes(gzip.compress(raw.getvalue(), mtime=0))
-    remote = _ServingRemote(LayerStore(tmp_path / "layers"), tmp_path / "m", _no_registry, 0)
+    remote = _ServingRemote(LayerStore(tmp_path / "layers"), tmp_path / "m", _no_registry, 0, index_trust())
     remote.lazy = LazyLayer(path=tmp_path / "m" / LAYER.split(":")[1], index=build_index(blob, LAYER))
     snaps = Snapshotter(tmp_path / "root", remote)
     try:

@@ -40,7 +40,7 @@ from snapshotter.layer.index import (
     IndexFormatError,
     LayerIndex,
 )
-from snapshotter.layer.tree import ROOT, LayerTree, Node, build_tree
+from snapshotter.layer.tree import ROOT, LayerTree, Node, build_tree, implicit_dirs
 
 # Hypothesis keeps no example database in the repository, and examples that
 # build deep trees may take a while: no deadlines.
@@ -316,3 +316,26 @@ def test_bootseer_index_builds_only_indexes_the_snapshotter_takes(members: list[
     decoded = LayerIndex.decode(index.encode())
     assert decoded.entries == index.entries
     check_tree(build_tree(decoded.entries), decoded.uncompressed_size)
+
+
+def _resolve(tree: LayerTree, path: str) -> Node | None:
+    node: Node | None = tree.nodes[ROOT]
+    for part in path.split("/"):
+        node = tree.lookup(node.ino, os.fsencode(part)) if node is not None else None
+    return node
+
+
+@FAST
+@given(index_rows(hostile=False))
+def test_the_implicit_directories_are_the_ones_the_tree_builder_made(rows: list[list[Any]]) -> None:
+    """The one-pass check finds none exactly when the tree has none, and the
+    tree's are directories it holds, none of them the root."""
+    index = LayerIndex.decode(blob_of(document(rows)))
+    try:
+        tree = build_tree(index.entries)
+    except IndexFormatError:
+        return
+    assert implicit_dirs(index.entries) == tree.implicit_dirs
+    for path in tree.implicit_dirs:
+        node = _resolve(tree, path)
+        assert path and node is not None and node.is_dir, path
