@@ -13,7 +13,11 @@ at most `timeout` for any one connect or read, plus the backoff between
 them (`backoff * (2**retries - 1)` at most, unless a Retry-After stretches
 a wait, to 10 s at most); with the defaults 5 x 30 s + 3.75 s. A
 bearer-token exchange can add as much once (`Authenticator`). `fetch_range`
-takes a deadline that caps all of it.
+takes a deadline that caps all of it. A mirror costs less: a refused
+connection nothing, a connect or an answer that does not come one
+`mirrors.connect_timeout_s` or `mirrors.response_timeout_s`, a retryable
+status one round trip, and it is then skipped for its backoff period
+(`health`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import structlog
 from snapshotter.registry import media, resumable
 from snapshotter.registry.auth import Keychain
 from snapshotter.registry.errors import DigestMismatch, NotFound, ServerError, Unreachable
+from snapshotter.registry.health import MirrorPolicy
 from snapshotter.registry.hosts import Endpoint
 from snapshotter.registry.media import Descriptor, Index, Manifest, Platform
 from snapshotter.registry.metrics import RETRIES
@@ -89,6 +94,7 @@ class RegistryClient:
         timeout: float = 30.0,
         retries: int = 4,
         backoff: float = 0.25,
+        mirrors: MirrorPolicy | None = None,
     ) -> None:
         self.transport = Transport(
             plain_http=plain_http,
@@ -97,6 +103,7 @@ class RegistryClient:
             timeout=timeout,
             retries=retries,
             backoff=backoff,
+            mirrors=mirrors,
         )
         # Also the budget for fetching a blob again after a digest mismatch.
         self.retries = retries
@@ -282,8 +289,9 @@ class RegistryClient:
         buffer = bytearray()
         body = BlobBody(ref, digest, buffer.extend, start, end, deadline)
         # A mirror that fails mid-range hands over to the next endpoint, which
-        # continues from what `buffer` already holds.
-        self.transport.over_endpoints(ref, "pull", partial(resumable.read, self.transport, body))
+        # continues from what `buffer` already holds; one that ignored Range
+        # for this blob is not asked for a while.
+        self.transport.over_endpoints(ref, "pull", partial(resumable.read, self.transport, body), ranges_of=digest)
         return bytes(buffer)
 
     def push_blob(

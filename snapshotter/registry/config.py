@@ -13,6 +13,7 @@ from pathlib import Path
 from snapshotter.cri.credentials import CriCredentialStore
 from snapshotter.registry.auth import Credentials, CredentialSource, Keychain
 from snapshotter.registry.client import RegistryClient
+from snapshotter.registry.health import MirrorPolicy
 from snapshotter.registry.reference import Reference
 from snapshotter.registry.settings import RegistryConfig
 
@@ -29,7 +30,18 @@ def client_from_config(
 ) -> RegistryClient:
     sources: Sequence[CredentialSource] = [CriCredentialStore(Path(cfg.cri_credentials))] if cfg.cri_credentials else []
     keychain = Keychain(_docker_config(cfg, docker_config), sources)
-    return RegistryClient(plain_http=plain_http, certs_dir=hosts_dir or cfg.config_path, keychain=keychain)
+    return RegistryClient(
+        plain_http=plain_http, certs_dir=hosts_dir or cfg.config_path, keychain=keychain, mirrors=mirror_policy(cfg)
+    )
+
+
+def mirror_policy(cfg: RegistryConfig) -> MirrorPolicy:
+    return MirrorPolicy(
+        connect_timeout_s=cfg.mirror_connect_timeout_s,
+        response_timeout_s=cfg.mirror_response_timeout_s,
+        backoff_s=cfg.mirror_backoff_s,
+        backoff_max_s=cfg.mirror_backoff_max_s,
+    )
 
 
 class _Only:
@@ -59,4 +71,11 @@ def client_with_credentials(
     of any other source (the hosts.toml of `cfg` still apply): to check
     credentials before keeping them. `source` names them in error messages."""
     keychain = Keychain(_docker_config(cfg, None), [_Only(ref, creds, source)])
-    return RegistryClient(certs_dir=cfg.config_path, keychain=keychain, timeout=timeout, retries=retries, backoff=0.1)
+    return RegistryClient(
+        certs_dir=cfg.config_path,
+        keychain=keychain,
+        timeout=timeout,
+        retries=retries,
+        backoff=0.1,
+        mirrors=mirror_policy(cfg),
+    )

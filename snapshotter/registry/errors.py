@@ -43,3 +43,7 @@ class DigestMismatch(RegistryError):
 
 class DeadlineExceeded(RegistryError):
     """The caller's deadline passed before the registry delivered what was asked."""
+
+
+class RangeIgnored(ServerError):
+    """A mirror answered a Range request with the whole blob; the next host serves the range."""

@@ -2,11 +2,17 @@
 
 The pure part turns a hosts.toml text into an ordered list of endpoints
 (mirrors first, in file order, then the server), as containerd's
-`config.ConfigureHosts` does; `endpoints_for` adds the file lookup.
+`config.ConfigureHosts` does; `endpoints_for` adds the file lookup, and
+`HostsFiles` keeps the result per host and reads the file again when it
+changes, so an edit takes effect without restarting anything.
 """
 
 from __future__ import annotations
 
+import os
+import stat
+import threading
+import time
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -14,7 +20,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import structlog
+
 from snapshotter.registry.reference import DOCKER_HUB, DOCKER_HUB_API
+
+log = structlog.get_logger("bootseer.registry")
 
 DEFAULT_CERTS_DIR = Path("/etc/containerd/certs.d")
 ALL_CAPABILITIES = frozenset({"pull", "resolve", "push"})
@@ -135,3 +145,128 @@ def endpoints_for(host: str, certs_dir: Path | None = None, plain_http: bool = F
         return parse_hosts_toml(path.read_text(), host, path.parent, plain_http)
     except HostsConfigError as exc:
         raise HostsConfigError(f"{path}: {exc}") from None
+
+
+# What identifies one version of a hosts.toml: (device, inode, size, mtime,
+# ctime) in nanoseconds. An in-place edit changes the size or the times; a
+# rename over it (what editors and config managers do) changes the inode.
+Signature = tuple[int, int, int, int, int]
+
+# Two same-size writes within one tick of the filesystem's clock (a few ms)
+# have the same signature, so a version this young is compared by content
+# too (git's "racy" check), until it is older than this.
+RACY_S = 2.0
+
+
+def _signature(path: Path) -> Signature | None:
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _racy(signature: Signature | None) -> bool:
+    return signature is not None and time.time_ns() - max(signature[3], signature[4]) < RACY_S * 1e9
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    path: Path | None
+    signature: Signature | None
+    text: str | None  # what `endpoints` were parsed from (None: no file)
+    endpoints: list[Endpoint]
+    racy: bool
+
+
+class HostsFiles:
+    """`endpoints_for`, kept per host and read again when the file changes.
+
+    Every lookup stats the file (certs.d/<host>/hosts.toml, else
+    certs.d/_default/hosts.toml: a microsecond or two, next to a registry
+    round trip) and reads it again only when the stat differs from the
+    version in use (or that version is under `RACY_S` old), so an edit, a
+    new file or a removed one applies from the next request on, in every
+    daemon, without a restart. A file that no longer parses (an edit caught
+    half-written, a typo) is logged and the previous endpoints stay in use
+    until the next change; with no previous version the error is raised, as
+    at start. Files hosts.toml names (CAs, client certificates) are read
+    when a connection pool is made for the endpoint, not watched.
+    """
+
+    def __init__(self, certs_dir: Path | None = None, plain_http: bool = False) -> None:
+        self.certs_dir = certs_dir if certs_dir is not None else DEFAULT_CERTS_DIR
+        self.plain_http = plain_http
+        self._loaded: dict[str, _Loaded] = {}
+        self._lock = threading.Lock()
+
+    def _locate(self, host: str) -> tuple[Path | None, Signature | None]:
+        for directory in (host, "_default"):
+            candidate = self.certs_dir / directory / "hosts.toml"
+            signature = _signature(candidate)
+            if signature is not None:
+                return candidate, signature
+        return None, None
+
+    def endpoints(self, host: str) -> list[Endpoint]:
+        path, signature = self._locate(host)
+        with self._lock:
+            loaded = self._loaded.get(host)
+        if loaded is not None and (loaded.path, loaded.signature) == (path, signature) and not loaded.racy:
+            return loaded.endpoints
+        # Read after the stat: a change racing with the read leaves a newer
+        # file than `signature` says, and the next lookup reads it again.
+        try:
+            text = path.read_text() if path is not None else None
+        except FileNotFoundError:
+            text = None  # removed since the stat; the next lookup sees that
+        except OSError as exc:
+            return self._keep(host, loaded, path, signature, None, exc)
+        if loaded is not None and loaded.path == path and loaded.text == text:
+            endpoints = loaded.endpoints
+        else:
+            try:
+                endpoints = self._parse(host, path, text)
+            except HostsConfigError as exc:
+                return self._keep(host, loaded, path, signature, text, exc)
+            if loaded is not None:
+                log.info(
+                    "registry.hosts_reloaded", host=host, file=str(path), endpoints=[e.base_url for e in endpoints]
+                )
+        with self._lock:
+            self._loaded[host] = _Loaded(path, signature, text, endpoints, _racy(signature))
+        return endpoints
+
+    def _keep(
+        self,
+        host: str,
+        loaded: _Loaded | None,
+        path: Path | None,
+        signature: Signature | None,
+        text: str | None,
+        exc: Exception,
+    ) -> list[Endpoint]:
+        """The endpoints in use, after a version that cannot be used."""
+        if loaded is None:
+            raise exc
+        log.warning(
+            "registry.hosts_invalid",
+            host=host,
+            file=str(path),
+            error=str(exc),
+            keeping=[e.base_url for e in loaded.endpoints],
+        )
+        # Remembered as this version, so the warning comes once per bad version.
+        with self._lock:
+            self._loaded[host] = _Loaded(path, signature, text, loaded.endpoints, _racy(signature))
+        return loaded.endpoints
+
+    def _parse(self, host: str, path: Path | None, text: str | None) -> list[Endpoint]:
+        if path is None or text is None:
+            return [_endpoint(default_server(host, self.plain_http), {}, Path("/"), mirror_of="")]
+        try:
+            return parse_hosts_toml(text, host, path.parent, self.plain_http)
+        except HostsConfigError as exc:
+            raise HostsConfigError(f"{path}: {exc}") from None

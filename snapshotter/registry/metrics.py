@@ -20,3 +20,21 @@ BYTES = Counter(
     "Blob bytes received from registries, by kind of read",
     ["kind"],
 )
+RANGE_IGNORED = Counter(
+    "bootseer_registry_range_ignored_total",
+    "Range requests a registry or mirror answered with the whole blob (200), by host; "
+    "a mirror's further ranges of that blob go to the next host for a backoff period",
+    ["host"],
+)
+MIRROR_DOWN = Counter(
+    "bootseer_registry_mirror_down_total",
+    "Times a hosts.toml mirror failed (refused, timed out, kept breaking) and was "
+    "skipped for a backoff period, by host",
+    ["host"],
+)
+MIRROR_SKIPPED = Counter(
+    "bootseer_registry_mirror_skipped_total",
+    "Requests that went past a mirror without asking it, by host and reason "
+    "('down': in its backoff period; 'range': it ignored Range for that blob)",
+    ["host", "reason"],
+)

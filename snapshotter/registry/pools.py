@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ssl
 import threading
+from pathlib import Path
 
 import httpx
 
@@ -30,13 +31,17 @@ def _verify(endpoint: Endpoint | None) -> ssl.SSLContext | bool:
 class Pools:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self._clients: dict[str, httpx.Client] = {}
+        self._clients: dict[
+            tuple[str, bool, tuple[Path, ...], tuple[Path, Path | None] | None] | None, httpx.Client
+        ] = {}
         self._lock = threading.Lock()
 
     def get(self, endpoint: Endpoint | None) -> httpx.Client:
         """The pool for `endpoint`; None is "plain system TLS" for redirect
         targets and token servers, which get no registry-specific trust."""
-        key = endpoint.base_url if endpoint else ""
+        # Keyed by everything TLS depends on: a hosts.toml edit that changes
+        # an endpoint's CA or client certificate gets a new pool.
+        key = (endpoint.base_url, endpoint.skip_verify, endpoint.ca, endpoint.client_cert) if endpoint else None
         with self._lock:
             client = self._clients.get(key)
             if client is None:

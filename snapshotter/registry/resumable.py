@@ -4,9 +4,15 @@ A `BlobBody` is a blob's bytes from `start` to `end` (or to the blob's end)
 on their way to a sink. When the connection breaks, `read` asks again with a
 Range from where the bytes stopped, spending from the same budget as the
 transport's own retries of those requests, and never past the body's
-deadline. Whole blobs and ranges go through this same loop; a server that
-ignores Range answers 200 with the whole blob, which is skipped to the
-offset asked for.
+deadline. Whole blobs and ranges go through this same loop.
+
+A host that ignores Range answers 200 with the whole blob. Reading that to
+the offset asked for costs O(offset) per range, so a mirror's whole-body
+answer to a range further in than `RANGE_SKIP_LIMIT` is dropped at once
+and the range goes to the next host; either way the mirror is not asked
+for ranges of that blob for a backoff period (`Transport.range_ignored`).
+The server, the last resort, and whole-blob reads (a resumed blob is
+skipped to its offset once) keep the slicing.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 import httpx
 import structlog
 
-from snapshotter.registry.errors import RegistryError, ServerError, Unreachable
+from snapshotter.registry.errors import RangeIgnored, RegistryError, ServerError, Unreachable
 from snapshotter.registry.hosts import Endpoint
 from snapshotter.registry.metrics import BYTES, RETRIES
 from snapshotter.registry.reference import Reference
@@ -26,6 +32,12 @@ from snapshotter.registry.retry import Budget
 from snapshotter.registry.transport import Request, Transport
 
 log = structlog.get_logger("bootseer.registry")
+
+# Bytes before a range's start read and dropped from a mirror's whole-body
+# answer rather than asking the next host: about what one more round trip
+# to a distant registry costs on a fast link, and at most once per blob and
+# mirror per backoff period.
+RANGE_SKIP_LIMIT = 1 << 20
 
 
 class _ShortRead(Exception):
@@ -86,6 +98,16 @@ def read(transport: Transport, body: BlobBody, endpoint: Endpoint) -> None:
             _read_once(transport, body, endpoint, budget)
         except (httpx.TransportError, _ShortRead) as exc:
             reason = type(exc).__name__
+            if budget.expired():
+                raise budget.overdue(body.ref, body.what, f"{reason}, {body.delivered} bytes in") from None
+            if isinstance(exc, httpx.TransportError) and transport.gives_up_at_once(endpoint, exc):
+                # A mirror whose body stalls is as good as hung: the next host
+                # continues from `body.offset` (a range) or the caller gives up.
+                raise Unreachable.at(
+                    body.ref,
+                    f"{body.what}: mirror {endpoint.netloc} stopped sending ({reason}) after "
+                    f"{body.delivered} bytes; trying the next host",
+                ) from None
             delay = budget.delay()
             if delay is None:
                 raise budget.spent(
@@ -115,8 +137,9 @@ def _read_once(transport: Transport, body: BlobBody, endpoint: Endpoint, budget:
     ends cleanly but short leaves `done` unset, so `read` asks again; that
     counts as a break only when it brought nothing."""
     ref, digest, offset = body.ref, body.digest, body.offset
+    headers = body.range_header()
     response = transport.send(
-        Request(endpoint, ref, "GET", f"/{ref.repository}/blobs/{digest}", headers=body.range_header()), budget
+        Request(endpoint, ref, "GET", f"/{ref.repository}/blobs/{digest}", headers=headers), budget
     )
     try:
         if response.status_code == 416 and body.end is not None:
@@ -125,6 +148,16 @@ def _read_once(transport: Transport, body: BlobBody, endpoint: Endpoint, budget:
             raise unexpected(response, f"blob {digest}", ref)
         if response.status_code == 206 and content_range_start(response) != offset:
             raise ServerError.at(ref, f"blob {digest}: registry answered a different range than asked")
+        if headers and response.status_code == 200:
+            transport.range_ignored(endpoint, digest)
+            if endpoint.mirror_of and body.end is not None and offset > RANGE_SKIP_LIMIT:
+                raise RangeIgnored.at(
+                    ref,
+                    f"{body.what}: mirror {endpoint.netloc} answered the Range request with the whole blob; "
+                    "its ranges go to the next host",
+                )
+        elif headers and body.end is not None:
+            transport.range_served(endpoint, digest)
         skip = offset if response.status_code == 200 else 0
         got = 0
         for raw in response.iter_raw():

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from snapshotter.registry.health import (
+    DEFAULT_BACKOFF_MAX_S,
+    DEFAULT_BACKOFF_S,
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_RESPONSE_TIMEOUT_S,
+)
+
 
 @dataclass
 class RegistryConfig:
@@ -16,3 +23,11 @@ class RegistryConfig:
     # (snapshotter.cri.credentials), consulted before docker_config by host and
     # repository; every daemon on the node reads the same file. Empty: not used.
     cri_credentials: str = "/var/lib/bootseer/cri/credentials.json"
+    # Mirrors (hosts.toml [host] entries, not the server): how long one may
+    # take to connect, and to answer (headers, or the next body bytes), before
+    # the next host is asked; how long it is then skipped, doubling on each
+    # failed retry up to the max (snapshotter.registry.health).
+    mirror_connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    mirror_response_timeout_s: float = DEFAULT_RESPONSE_TIMEOUT_S
+    mirror_backoff_s: float = DEFAULT_BACKOFF_S
+    mirror_backoff_max_s: float = DEFAULT_BACKOFF_MAX_S

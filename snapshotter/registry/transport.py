@@ -13,11 +13,17 @@ rounds, and a blob body's resumes around it, share `retries`, and a
 caller's deadline caps each try's timeout and stops the tries. Credentials
 go only to the registry endpoint they belong to: a redirect to another
 origin (blob storage) is followed without them.
+
+Mirrors fail fast (`health`): on a mirror a try waits at most the mirror
+connect and response timeouts, a refused connection or a timeout is not
+tried again there but hands over to the next host at once, and so does a
+retryable status; the mirror is then skipped for its backoff period. The
+server, the last resort, keeps the whole budget. hosts.toml is read again
+whenever it changes (`hosts.HostsFiles`).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +36,9 @@ import structlog
 from snapshotter.registry.auth import Keychain
 from snapshotter.registry.authenticator import Authenticator
 from snapshotter.registry.errors import NotFound, RegistryError, ServerError, Unauthorized, Unreachable
-from snapshotter.registry.hosts import Endpoint, endpoints_for
-from snapshotter.registry.metrics import REQUESTS, RETRIES
+from snapshotter.registry.health import Backoffs, MirrorPolicy
+from snapshotter.registry.hosts import Endpoint, HostsFiles
+from snapshotter.registry.metrics import MIRROR_DOWN, MIRROR_SKIPPED, RANGE_IGNORED, REQUESTS, RETRIES
 from snapshotter.registry.pools import Pools
 from snapshotter.registry.reference import Reference
 from snapshotter.registry.retry import RETRY_STATUSES, Backoff, Budget
@@ -91,6 +98,7 @@ class Transport:
         timeout: float = 30.0,
         retries: int = 4,
         backoff: float = 0.25,
+        mirrors: MirrorPolicy | None = None,
     ) -> None:
         self.plain_http = plain_http
         self.certs_dir = certs_dir
@@ -98,8 +106,12 @@ class Transport:
         self.pools = Pools(timeout)
         # No keychain: the docker config's credentials only.
         self.auth = Authenticator(keychain or Keychain(), self.pools)
-        self._endpoints: dict[str, list[Endpoint]] = {}
-        self._lock = threading.Lock()
+        self.hosts = HostsFiles(certs_dir, plain_http)
+        self.mirrors = mirrors or MirrorPolicy()
+        # Mirrors (by base URL) in a backoff period after failing.
+        self.health = Backoffs(self.mirrors)
+        # (mirror base URL, blob digest) pairs whose ranges go to the next host.
+        self.ranges = Backoffs(self.mirrors)
 
     def close(self) -> None:
         self.pools.close()
@@ -111,10 +123,7 @@ class Transport:
     # -- endpoints ----------------------------------------------------------
 
     def endpoints(self, ref: Reference, capability: str) -> list[Endpoint]:
-        with self._lock:
-            if ref.domain not in self._endpoints:
-                self._endpoints[ref.domain] = endpoints_for(ref.domain, self.certs_dir, self.plain_http)
-            every = self._endpoints[ref.domain]
+        every = self.hosts.endpoints(ref.domain)
         usable = [e for e in every if capability in e.capabilities]
         if not usable:
             raise RegistryError.at(
@@ -128,20 +137,89 @@ class Transport:
         capability: str,
         call: Callable[[Endpoint], T],
         pinned: Callable[[], bool] | None = None,
+        *,
+        ranges_of: str | None = None,
     ) -> T:
         """`call` on each endpoint in order until one succeeds; a mirror that
         lacks the object or fails is skipped, the server's error is final, and
         so is any error once `pinned()` says the caller already holds bytes
-        from that endpoint."""
+        from that endpoint. A mirror that failed to answer at all (refused,
+        timed out, kept breaking) is skipped for its backoff period, and with
+        `ranges_of` (a blob digest: the call reads ranges of it) so is one
+        that ignored Range for that blob."""
         *mirrors, server = self.endpoints(ref, capability)
         for endpoint in mirrors:
+            if not self.health.usable(endpoint.base_url):
+                MIRROR_SKIPPED.labels(endpoint.netloc, "down").inc()
+                continue
+            if ranges_of is not None and not self.ranges.usable((endpoint.base_url, ranges_of)):
+                MIRROR_SKIPPED.labels(endpoint.netloc, "range").inc()
+                continue
             try:
-                return call(endpoint)
-            except (NotFound, Unreachable, ServerError) as exc:
+                result = call(endpoint)
+            except Unreachable as exc:
+                self._mirror_failed(endpoint, exc)
+                if pinned is not None and pinned():
+                    raise
+                continue
+            except (NotFound, ServerError) as exc:
+                # It answered: up, even if it lacks this object or failed it.
+                self._mirror_answered(endpoint)
                 if pinned is not None and pinned():
                     raise
                 log.info("registry.endpoint_skipped", endpoint=endpoint.base_url, reason=str(exc))
+                continue
+            self._mirror_answered(endpoint)
+            return result
         return call(server)
+
+    def _mirror_failed(self, endpoint: Endpoint, exc: Unreachable) -> None:
+        period = self.health.failed(endpoint.base_url)
+        MIRROR_DOWN.labels(endpoint.netloc).inc()
+        log.warning("registry.mirror_down", endpoint=endpoint.base_url, skipped_for_s=period, reason=str(exc))
+
+    def _mirror_answered(self, endpoint: Endpoint) -> None:
+        if self.health.succeeded(endpoint.base_url):
+            log.info("registry.mirror_up", endpoint=endpoint.base_url)
+
+    def range_ignored(self, endpoint: Endpoint, digest: str) -> None:
+        """`endpoint` answered a Range request for blob `digest` with the
+        whole blob: counted, and a mirror is not asked for ranges of it
+        again for a backoff period (a pull-through cache does this on a
+        miss, and serves ranges once it has stored the blob)."""
+        RANGE_IGNORED.labels(endpoint.netloc).inc()
+        if endpoint.mirror_of:
+            period = self.ranges.failed((endpoint.base_url, digest))
+            log.info("registry.range_ignored", endpoint=endpoint.base_url, digest=digest, skipped_for_s=period)
+        else:
+            log.info("registry.range_ignored", endpoint=endpoint.base_url, digest=digest)
+
+    def range_served(self, endpoint: Endpoint, digest: str) -> None:
+        """`endpoint` answered a Range request for `digest` with 206."""
+        if endpoint.mirror_of:
+            self.ranges.succeeded((endpoint.base_url, digest))
+
+    def try_timeout(self, endpoint: Endpoint, budget: Budget) -> httpx.Timeout | None:
+        """The timeouts of the next try on `endpoint`: the client's timeout,
+        on a mirror its connect and response (headers, and each read of the
+        body) timeouts, none past the budget's deadline; None when no time
+        is left."""
+        left = budget.timeout(self.pools.timeout)
+        if left is None:
+            return None
+        if not endpoint.mirror_of:
+            return httpx.Timeout(left)
+        return httpx.Timeout(
+            left,
+            connect=min(left, self.mirrors.connect_timeout_s),
+            read=min(left, self.mirrors.response_timeout_s),
+        )
+
+    def gives_up_at_once(self, endpoint: Endpoint, exc: httpx.TransportError) -> bool:
+        """Whether `exc` on `endpoint` hands over to the next host without
+        another try: on a mirror, a refused or failed connection and any
+        timeout (a hung mirror costs one wait, not one per retry)."""
+        return bool(endpoint.mirror_of) and isinstance(exc, httpx.ConnectError | httpx.TimeoutException)
 
     # -- sending, one layer per method ----------------------------------------
 
@@ -192,14 +270,24 @@ class Transport:
     def _send_handling_retries(
         self, request: Request, url: str, authorization: str | None, budget: Budget
     ) -> httpx.Response:
+        endpoint = request.endpoint
         while True:
-            timeout = budget.timeout(self.pools.timeout)
+            timeout = self.try_timeout(endpoint, budget)
             if timeout is None:
                 raise budget.overdue(request.ref, f"{request.method} {request.target}", "no time left to send it")
             try:
                 response = self._send_single_request(request, url, authorization, timeout)
             except httpx.TransportError as exc:
                 reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                if budget.expired():
+                    raise budget.overdue(request.ref, f"{request.method} {request.target}", reason) from None
+                if self.gives_up_at_once(endpoint, exc):
+                    raise Unreachable.at(
+                        request.ref,
+                        f"mirror {endpoint.netloc} gave no answer ({reason}; connect timeout "
+                        f"{self.mirrors.connect_timeout_s:g} s, response timeout "
+                        f"{self.mirrors.response_timeout_s:g} s); trying the next host",
+                    ) from None
                 self._retry(
                     request,
                     budget,
@@ -217,6 +305,9 @@ class Transport:
                 return response
             response.close()
             reason = f"HTTP {response.status_code}"
+            if endpoint.mirror_of:
+                # The next host may well have it; containerd does not retry a mirror either.
+                raise ServerError.at(request.ref, f"mirror {endpoint.netloc} answered {reason}; trying the next host")
             self._retry(
                 request,
                 budget,
@@ -255,7 +346,7 @@ class Transport:
         budget.wait(delay)
 
     def _send_single_request(
-        self, request: Request, url: str, authorization: str | None, timeout: float
+        self, request: Request, url: str, authorization: str | None, timeout: httpx.Timeout
     ) -> httpx.Response:
         """One HTTP exchange. Another origin than the endpoint's (blob storage
         a redirect points at) gets only the request's own headers, through a

@@ -5,12 +5,15 @@ fault matches: drop the connection, answer a status itself, strip the Range
 header, truncate or corrupt the body, redirect elsewhere, or stall (never
 answer, or answer the headers and half the body and then nothing more,
 until the proxy stops: a registry that was SIGSTOPped). It records each
-request (method, path, headers) so tests can see what the client sent.
+request (method, path, headers) so tests can see what the client sent,
+and counts the body bytes it sent back, per path. `blackhole` is the
+other kind of dead host: one that never completes a TCP connection.
 """
 
 from __future__ import annotations
 
 import http.client
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -53,6 +56,9 @@ class FaultProxy:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # Set when the proxy stops: stalled answers end then.
     stopping: threading.Event = field(default_factory=threading.Event)
+    # Body bytes written to clients, by request path (a client that hangs up
+    # stops the count; bytes already in socket buffers are counted as sent).
+    sent: dict[str, int] = field(default_factory=dict)
 
     @property
     def host(self) -> str:
@@ -93,6 +99,15 @@ class FaultProxy:
     def requests(self, method: str | None = None, path_contains: str = "") -> list[Seen]:
         with self._lock:
             return [s for s in self.seen if (method is None or s.method == method) and path_contains in s.path]
+
+    def count_sent(self, path: str, n: int) -> None:
+        with self._lock:
+            self.sent[path] = self.sent.get(path, 0) + n
+
+    def bytes_sent(self, path_contains: str = "") -> int:
+        """Body bytes sent in answers to requests whose path contains `path_contains`."""
+        with self._lock:
+            return sum(n for path, n in self.sent.items() if path_contains in path)
 
 
 def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
@@ -157,7 +172,11 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 self.send_header(key, value)
             self.end_headers()
             if self.command != "HEAD" and data:
-                self.wfile.write(data)
+                # In pieces, so that a client hanging up stops the count.
+                for at in range(0, len(data), 1 << 16):
+                    piece = data[at : at + (1 << 16)]
+                    self.wfile.write(piece)
+                    proxy.count_sent(self.path, len(piece))
             self.wfile.flush()
 
         do_GET = do_HEAD = do_PUT = do_POST = do_PATCH = do_DELETE = _relay
@@ -175,9 +194,9 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 @contextmanager
-def running(upstream_port: int) -> Iterator[FaultProxy]:
-    """A proxy on a free 127.0.0.1 port in front of 127.0.0.1:`upstream_port`."""
-    proxy = FaultProxy(upstream_port=upstream_port)
+def running(upstream_port: int, port: int | None = None) -> Iterator[FaultProxy]:
+    """A proxy on a free 127.0.0.1 port (or `port`) in front of 127.0.0.1:`upstream_port`."""
+    proxy = FaultProxy(upstream_port=upstream_port) if port is None else FaultProxy(upstream_port, port)
     server = _QuietServer(("127.0.0.1", proxy.port), _handler(proxy))
     thread = threading.Thread(target=server.serve_forever, name="fault-proxy", daemon=True)
     thread.start()
@@ -188,3 +207,33 @@ def running(upstream_port: int) -> Iterator[FaultProxy]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+@contextmanager
+def blackhole() -> Iterator[str]:
+    """ "127.0.0.1:PORT" of a host whose TCP connections never complete: a
+    listening socket that accepts nothing, its accept queue filled, so the
+    kernel drops further SYNs and a connect waits for its timeout (as for a
+    host behind a firewall that drops packets)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    fillers: list[socket.socket] = []
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        # Backlog 0 queues one connection; connect until one does not complete.
+        for _ in range(8):
+            filler = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            fillers.append(filler)
+            filler.settimeout(0.5)
+            try:
+                filler.connect(("127.0.0.1", port))
+            except TimeoutError:
+                break
+        else:
+            raise RuntimeError("could not fill the accept queue of the blackhole listener")
+        yield f"127.0.0.1:{port}"
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()

@@ -2,6 +2,8 @@
 
 Plain HTTP on 127.0.0.1 with a free port; blobs in a temp dir so every
 session starts empty. Deletes are enabled so tests may remove manifests.
+`start_pull_through_cache` runs one in proxy mode (`proxy: remoteurl:`), the
+rack-level mirror users put in front of a registry.
 """
 
 from __future__ import annotations
@@ -130,3 +132,30 @@ def start_auth_registry() -> AuthRegistry:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
     return AuthRegistry(daemon, workdir, port)
+
+
+def start_pull_through_cache(remote_url: str) -> Registry:
+    """A docker-registry in proxy mode caching `remote_url` ("http://HOST:PORT"):
+    it fetches what it lacks from there, stores it and serves it from then on.
+    Distribution 2.8 answers a Range request for a blob it lacks with the whole
+    blob (200), and cannot proxy OCI manifests (it answers 404 or 500: the
+    client takes them from the next host)."""
+    workdir = Path(tempfile.mkdtemp(prefix="bs-regcache-", dir="/tmp"))
+    port = free_tcp_port()
+    config = json.loads(_config(workdir / "storage", port))
+    del config["storage"]["delete"]  # a proxy-mode registry refuses deletes
+    config["proxy"] = {"remoteurl": remote_url}
+    (workdir / "config.yml").write_text(json.dumps(config))
+    try:
+        daemon = _serve(workdir, port)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    return Registry(daemon=daemon, workdir=workdir, port=port)
+
+
+def cached_blob(cache: Registry, digest: str) -> bool:
+    """Whether the pull-through cache `cache` has stored blob `digest`."""
+    algorithm, _, hex_part = digest.partition(":")
+    data = cache.workdir / "storage" / "docker" / "registry" / "v2" / "blobs" / algorithm / hex_part[:2] / hex_part
+    return (data / "data").is_file()
