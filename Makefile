@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PROTOS := $(shell find proto -name '*.proto' | sort)
 
-.PHONY: setup proto lint demo test test-unit bench bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap clean
+.PHONY: setup proto lint demo test test-unit bench bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss clean
 
 setup:
 	@scripts/setup.sh
@@ -30,7 +30,7 @@ test: lint
 test-unit: setup
 	$(PY) -m pytest -ra -m "not integration" $(PYTEST_ARGS)
 
-bench: bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap
+bench: bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss
 
 bench-snapshots: setup
 	$(PY) -m bench.snapshots_latency
@@ -46,6 +46,9 @@ bench-checkpoint: setup
 
 bench-depsnap: setup
 	$(PY) -m bench.depsnap
+
+bench-rss: setup
+	$(PY) -m bench.layer_rss
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -8,7 +8,6 @@ nothing else of the host's cache directory.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -19,8 +18,7 @@ from typing import Any, Protocol
 from depsnap.cache import Cache
 from depsnap.format import CorruptSnapshot
 from depsnap.store import StoreUnavailable, open_store
-
-_MAX_MESSAGE = 1 << 16
+from depsnap.wire import daemon_answers, recv_message, send_message
 
 
 class DaemonError(Exception):
@@ -82,29 +80,6 @@ class LocalNode:
         self.cache.discard(key)
 
 
-def send_message(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-    data = json.dumps(message).encode() + b"\n"
-    if fds:
-        socket.send_fds(sock, [data], list(fds))
-    else:
-        sock.sendall(data)
-
-
-def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    """One JSON line and any descriptors that came with it."""
-    buffer = b""
-    fds: list[int] = []
-    while not buffer.endswith(b"\n"):
-        data, new_fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 4)
-        fds += new_fds
-        if not data:
-            for fd in fds:
-                os.close(fd)
-            raise ConnectionError("connection closed mid-message")
-        buffer += data
-    return json.loads(buffer), fds
-
-
 class DaemonNode:
     """The node daemon at `address`, one connection per call."""
 
@@ -149,15 +124,6 @@ class DaemonNode:
 
     def stats(self) -> dict[str, Any]:
         return self._call({"op": "stats"})[0]
-
-
-def daemon_answers(address: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        try:
-            sock.connect(str(address))
-        except OSError:
-            return False
-    return True
 
 
 def connect(

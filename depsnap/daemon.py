@@ -13,6 +13,14 @@ nothing else of the host.
     {"op": "put", "key": K} + fd                 -> {"ok"}
     {"op": "discard", "key": K}                  -> {"ok"}
     {"op": "stats"}                              -> {"ok", counters...}
+    {"op": "pod-attach", "key": K, "target": T}  -> {"ok", "found", "source", "size"}
+    {"op": "pod-capture", "key": K, "target": T} -> {"ok", "captured", "detail"}
+
+The pod operations (`depsnap.pods`) act on the caller's own mount namespace
+and root, found from the socket's peer. `put`, `discard` and a `fetch` that
+names its own store need a caller that could mount by itself
+(CAP_SYS_ADMIN on the host): a pod must not plant images under the keys the
+host's CLI restores, nor point the daemon at a store of its choosing.
 
 The application serves the metrics and health endpoint (`metrics_address`)
 and tells the service manager about readiness, through the callbacks
@@ -36,11 +44,13 @@ from typing import Any
 import structlog
 from prometheus_client import Counter, Gauge
 
+from depsnap import linux
 from depsnap.cache import Cache
-from depsnap.client import daemon_answers, recv_message, send_message
 from depsnap.format import CorruptSnapshot
+from depsnap.pods import PodRefused, Pods, privileged
 from depsnap.settings import DepsnapConfig
 from depsnap.store import SnapshotStore, StoreUnavailable, open_store
+from depsnap.wire import daemon_answers, recv_message, send_message
 
 log = structlog.get_logger("depsnap.daemon")
 
@@ -48,6 +58,7 @@ FETCHES = Counter("depsnap_fetches", "Image requests by outcome", ["outcome"])
 DOWNLOADED = Counter("depsnap_downloaded_bytes", "Image bytes fetched from stores")
 EVICTIONS = Counter("depsnap_evictions", "Images evicted to stay under the cap")
 CACHED_BYTES = Gauge("depsnap_cache_bytes", "Bytes of images in the node cache")
+POD_REQUESTS = Counter("depsnap_pod_requests", "Pod requests by operation and outcome", ["op", "outcome"])
 
 _KEY_CHARS = frozenset("0123456789abcdef")
 # How long a health check waits for the daemon to answer.
@@ -56,6 +67,10 @@ HEALTH_TIMEOUT_S = 2.0
 
 class BadRequest(Exception):
     pass
+
+
+class Refused(Exception):
+    """A request this caller may not make."""
 
 
 class AlreadyServing(Exception):
@@ -79,6 +94,13 @@ class NodeCache:
         self.tally: Tally[str] = Tally()
         self._lock = threading.Lock()
         self._stores: dict[str, SnapshotStore] = {}
+        self.pods = Pods(
+            self.cache,
+            settings.pod_targets,
+            settings.pod_capture_max_bytes,
+            store=lambda: self._store(None),
+            evict=self._evict,
+        )
         CACHED_BYTES.set(self.cache.size())
 
     def _store(self, uri: str | None) -> SnapshotStore | None:
@@ -149,20 +171,60 @@ class NodeCache:
             "entries": len(self.cache.entries()),
         }
 
-    def handle(self, request: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    def _pod(self, op: str, request: dict[str, Any], peer: linux.Peer) -> dict[str, Any]:
+        key = _key(request)
+        try:
+            if op == "pod-attach":
+                reply = self.pods.attach(peer, key, request.get("target"))
+                outcome = "hit" if reply["found"] else "miss"
+            else:
+                reply = self.pods.capture(peer, key, request.get("target"))
+                outcome = "captured" if reply["captured"] else "present"
+        except PodRefused as exc:
+            POD_REQUESTS.labels(op, "refused").inc()
+            self._count("pod_refused")
+            log.warning("pod request refused", op=op, pid=peer.pid, uid=peer.uid, reason=str(exc))
+            raise Refused(str(exc)) from None
+        POD_REQUESTS.labels(op, outcome).inc()
+        self._count(f"pod_{outcome}")
+        return reply
+
+    def handle(
+        self,
+        request: dict[str, Any],
+        fds: list[int],
+        peer: Callable[[], linux.Peer] | None = None,
+    ) -> tuple[dict[str, Any], list[int]]:
+        """One request; `peer()` identifies the caller (None: a trusted
+        in-process caller, which may do everything but the pod operations)."""
         op = request.get("op")
+
+        def require_privileged(what: str) -> None:
+            if peer is not None and not privileged(peer()):
+                raise Refused(f"{what} needs a caller with CAP_SYS_ADMIN on the host; pods use pod-attach/pod-capture")
+
         try:
             if op == "fetch":
+                if request.get("store") not in (None, "", self.default_store):
+                    require_privileged("naming a store")
                 return self.fetch(request)
             if op == "put":
+                require_privileged("put")
                 return self.put(request, fds), []
             if op == "discard":
+                require_privileged("discard")
                 return self.discard(request), []
             if op == "stats":
                 return self.stats(), []
+            if op in ("pod-attach", "pod-capture"):
+                if peer is None:
+                    raise BadRequest(f"{op} needs a caller on the socket")
+                return self._pod(op, request, peer()), []
             raise BadRequest(f"unknown op {op!r}")
         except BadRequest as exc:
             return {"ok": False, "error": "bad-request", "message": str(exc)}, []
+        except (Refused, linux.PeerGone) as exc:
+            return {"ok": False, "error": "refused", "message": str(exc)}, []
         except CorruptSnapshot as exc:
             FETCHES.labels("corrupt").inc()
             self._count("corrupt")
@@ -178,12 +240,22 @@ class NodeCache:
 class _Handler(socketserver.BaseRequestHandler):
     server: _Server
 
+    def setup(self) -> None:
+        # No earlier than the accept: the peer connected before this.
+        self.accepted = linux.boottime()
+        self.peer: linux.Peer | None = None
+
+    def identify(self) -> linux.Peer:
+        if self.peer is None:
+            self.peer = linux.peer(self.request, self.accepted)
+        return self.peer
+
     def handle(self) -> None:
         fds: list[int] = []
         reply_fds: list[int] = []
         try:
             request, fds = recv_message(self.request)
-            reply, reply_fds = self.server.node.handle(request, fds)
+            reply, reply_fds = self.server.node.handle(request, fds, self.identify)
             send_message(self.request, reply, reply_fds)
         except (ConnectionError, ValueError) as exc:
             log.warning("bad client message", reason=str(exc))
@@ -194,6 +266,8 @@ class _Handler(socketserver.BaseRequestHandler):
         finally:
             for fd in fds + reply_fds:
                 os.close(fd)
+            if self.peer is not None:
+                self.peer.close()
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):

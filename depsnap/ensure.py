@@ -7,32 +7,20 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
-from depsnap import installer, snapshot
+from depsnap import installer, layout, snapshot
 from depsnap.client import Image, LocalNode, Node
 from depsnap.format import CorruptSnapshot, read_manifest
 from depsnap.image import ImageError
 from depsnap.inputs import EnvRequest, for_env
 from depsnap.key import Input, compute
+from depsnap.outcome import Outcome
 from depsnap.store import StoreUnavailable, open_store
 
 log = structlog.get_logger("depsnap")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    status: str  # "hit", "present" (already there), "miss" or "failed"
-    key: str
-    seconds: float
-    detail: str
-    returncode: int = 0
-
-    def line(self) -> str:
-        return f"depsnap: {self.status} {self.key} in {self.seconds:.2f} s ({self.detail})"
 
 
 def fetch(node: Node, key: str, store_uri: str | None) -> Image | None:
@@ -129,9 +117,9 @@ def ensure(
     def done(status: str, detail: str, rc: int = 0) -> Outcome:
         return Outcome(status, key, time.monotonic() - started, detail, rc)
 
-    if snapshot.present_key(target) == key and target.exists():
+    if layout.present_key(target) == key and target.exists():
         return done("present", f"already at {target}")
-    if not snapshot.is_empty_or_missing(target):
+    if not layout.is_empty_or_missing(target):
         raise snapshot.RestoreError(
             f"{target} exists and holds something else; remove it (bootseer depsnap release) first"
         )

@@ -23,9 +23,10 @@ from pathlib import Path
 import structlog
 
 from depsnap.client import Node
-from depsnap.ensure import Outcome, capture_tree, fetch
+from depsnap.ensure import capture_tree, fetch
 from depsnap.inputs import RunRequest, for_run
 from depsnap.key import compute
+from depsnap.outcome import Outcome
 from depsnap.snapshot import copy_tree, mounted_image
 
 log = structlog.get_logger("depsnap")

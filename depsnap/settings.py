@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -23,3 +23,10 @@ class DepsnapConfig:
     lazy_min_bytes: int = 256 << 20
     # host:port for the daemon's Prometheus metrics; empty turns them off.
     metrics_address: str = ""
+    # Paths (as a pod sees them) on which the daemon mounts environments for
+    # unprivileged pods, and from which it captures what they installed.
+    # Exact paths only; empty: the daemon serves pods nothing.
+    pod_targets: list[str] = field(default_factory=list)
+    # A capture from a pod larger than this is refused (nothing published),
+    # so a pod cannot fill the host's disk through the daemon.
+    pod_capture_max_bytes: int = 32 << 30

@@ -25,6 +25,8 @@ from depsnap import image as image_mod
 from depsnap import lazy
 from depsnap.cache import Cache
 from depsnap.format import DEFAULT_CHUNK_SIZE, Manifest, header, pack
+from depsnap.layout import is_empty_or_missing, side_dir
+from depsnap.layout import write_key as _write_key
 from depsnap.store import SnapshotStore
 
 _SERVER_EXIT_S = 10.0
@@ -34,36 +36,9 @@ class RestoreError(Exception):
     """The target is in a state that a restore must not overwrite."""
 
 
-def side_dir(target: Path) -> Path:
-    return target.parent / f".{target.name}.depsnap"
-
-
-def present_key(target: Path) -> str | None:
-    """The key of the snapshot restored or installed at `target`, if known."""
-    try:
-        return (side_dir(target) / "key").read_text().strip() or None
-    except FileNotFoundError:
-        return None
-
-
-def _write_key(target: Path, key: str) -> None:
-    side = side_dir(target)
-    side.mkdir(exist_ok=True)
-    temp = side / "key.tmp"
-    temp.write_text(key + "\n")
-    os.rename(temp, side / "key")
-
-
 def mark_installed(target: Path, key: str) -> None:
     """Record that `target` holds what `key` describes (after a miss installed it)."""
     _write_key(target, key)
-
-
-def is_empty_or_missing(path: Path) -> bool:
-    try:
-        return not any(os.scandir(path))
-    except FileNotFoundError:
-        return True
 
 
 def release(target: Path) -> None:

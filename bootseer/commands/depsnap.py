@@ -1,4 +1,4 @@
-"""`bootseer depsnap`: ensure, run, key, release, serve."""
+"""`bootseer depsnap`: ensure, run, key, release, serve, pod-client."""
 
 from __future__ import annotations
 
@@ -70,10 +70,27 @@ def _input_errors() -> tuple[type[Exception], ...]:
     )
 
 
+def _pod_ensure(args: argparse.Namespace, settings: DepsnapConfig) -> int:
+    from depsnap.podclient import Daemon, PodRefused, pod_ensure
+
+    refusals: tuple[type[Exception], ...] = (PodRefused, *_input_errors())
+    try:
+        outcome = pod_ensure(_env_request(args), Daemon(settings.socket))
+    except refusals as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    print(outcome.line())
+    return outcome.returncode
+
+
 def _ensure(args: argparse.Namespace) -> int:
     from depsnap.ensure import ensure
+    from depsnap.podclient import can_mount
+    from depsnap.wire import daemon_answers
 
     settings = _settings(args, *_NODE_FLAGS, "lazy_min_bytes")
+    # A caller that cannot mount (a pod) has the daemon mount for it.
+    if args.pod or (not args.no_daemon and not can_mount() and daemon_answers(settings.socket)):
+        return _pod_ensure(args, settings)
     try:
         outcome = ensure(
             _env_request(args),
@@ -129,6 +146,18 @@ def _key(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pod_client(args: argparse.Namespace) -> int:
+    from depsnap.podclient import write_zipapp
+
+    load_config(args)
+    try:
+        write_zipapp(args.output)
+    except OSError as exc:
+        raise CommandError(f"cannot write {args.output}: {exc.strerror}") from None
+    print(f"wrote {args.output}: run it in a pod as `python3 {args.output.name} ensure -r REQ --target DIR`")
+    return 0
+
+
 def _release(args: argparse.Namespace) -> int:
     from depsnap.snapshot import release
 
@@ -140,6 +169,7 @@ def _release(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from bootseer.daemon import Daemon
     from depsnap.daemon import AlreadyServing, serve
+    from depsnap.pods import PodConfigError
 
     settings = _settings(args, *_NODE_FLAGS, "metrics_address")
     status = f"serving dependency snapshots on {settings.socket}, node cache in {settings.cache_dir}"
@@ -149,6 +179,8 @@ def _serve(args: argparse.Namespace) -> int:
             serve(settings, on_started=daemon.started, on_ready=daemon.ready, on_stopping=daemon.stopping)
         except AlreadyServing as exc:
             raise CommandError(str(exc)) from None
+        except PodConfigError as exc:
+            raise CommandError(str(exc), EXIT_USAGE) from None
     return 0
 
 
@@ -209,7 +241,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=int,
         help="read images at least this large lazily from the store when mounting (default 256 MiB; negative: never)",
     )
+    ensure.add_argument(
+        "--pod",
+        action="store_true",
+        help="have the node daemon mount the environment into this process's namespace "
+        "(the default when this process cannot mount and the daemon answers)",
+    )
     ensure.set_defaults(func=_ensure)
+
+    pod_client = commands.add_parser(
+        "pod-client",
+        help="write the pod client: one file, standard library only, for images without bootseer",
+        description="Write a zipapp a pod runs as `python3 FILE ensure -r REQ --target DIR`: "
+        "the environment from the node daemon, with no capability and only its socket.",
+    )
+    add_common_arguments(pod_client)
+    pod_client.add_argument("-o", "--output", type=Path, required=True, help="where to write it")
+    pod_client.set_defaults(func=_pod_client)
 
     run = commands.add_parser(
         "run",

@@ -1,6 +1,9 @@
 """Optional background fetch of whole layers: once a layer is served, its
 remaining blocks are fetched into the cache, one layer at a time, at a
-bounded bandwidth, and paused whenever a reader is waiting on a fetch."""
+bounded bandwidth, and paused whenever a reader is waiting on a fetch.
+Under a cache cap it stops where the next run would not fit without
+evicting: it would only evict what readers read to bring in what they may
+never read."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import math
 import structlog
 import trio
 
+from snapshotter.fs.eviction import BlockCache
 from snapshotter.fs.reader import BlockUnavailable, Origin
 from snapshotter.fs.served import ServedLayer
 from snapshotter.layer.blockmath import fetch_runs
@@ -26,6 +30,8 @@ class BackgroundFetch:
         self.bandwidth = bandwidth
         self.read_slots = read_slots
         self._send, self._receive = trio.open_memory_channel[ServedLayer](math.inf)
+        # The block cache whose cap the background fetch stays under (None: no cap).
+        self.cache: BlockCache | None = None
 
     def add(self, layer: ServedLayer) -> None:
         self._send.send_nowait(layer)
@@ -43,6 +49,9 @@ class BackgroundFetch:
                 return
             while self.read_slots.borrowed_tokens:
                 await trio.sleep(YIELD_S)
+            if self.cache is not None and not self.cache.room_for(blocks[run[-1]].uend - blocks[run[0]].ustart):
+                log.info("background fetch stopped at the cache cap", layer=reader.name)
+                return
             began = trio.current_time()
             try:
                 await reader.ensure(run, Origin.BACKGROUND)

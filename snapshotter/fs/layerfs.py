@@ -1,9 +1,22 @@
 """The pyfuse3 filesystem: the mount's root lists every layer in the layer
 store by name; each layer directory is that layer's tree, read-only.
 
-Inode numbers: the mount root is 1; a layer loaded into slot S owns inodes
+Inode numbers: the mount root is 1; a layer copy given slot S owns inodes
 S << 32 | n for its tree's inode n, so hardlinks within a layer share an
-inode and layers never collide.
+inode and layers never collide. A copy keeps its slot for the server's life.
+
+Bounded memory: a layer no mount uses (no overlay lowerdir or bind mount in
+the server's mount namespace names it) and no request touched for
+`[fs] unload_idle_s` is unloaded: tree, index, reader and cache file
+descriptor. The kernel may still hold its inode numbers (cached dentries,
+open files, an overlay in another mount namespace): a request on one loads
+the copy again into the same slot, and since the tree of an index is always
+built the same, every inode number means what it meant. So unloading is
+always correct; the signal only decides how often a reload is paid.
+
+Pruned layers (removed from the store by the snapshotter's cleanup) are
+closed at the next sweep, every SWEEP_S: their cache files' space goes back
+to the filesystem, which `df` and statfs show.
 
 Layers are untrusted input. Any request that fails other than with a
 FUSEError answers EIO and leaves its layer broken: every later request on
@@ -16,13 +29,18 @@ filesystem, and what its image garbage collection goes by.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import functools
+import gc
 import os
+import re
 import stat
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import pyfuse3
@@ -33,6 +51,7 @@ from snapshotter.fs import metrics
 from snapshotter.fs.background import BackgroundFetch
 from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.fs.control import CONTROL_PREFIX, ImageRequest, read_request
+from snapshotter.fs.eviction import BlockCache
 from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
 from snapshotter.fs.reader import BlockUnavailable, LayerReader, Origin, RangeFetcher
 from snapshotter.layer.tree import ROOT, LayerTree, Node, build_tree
@@ -50,6 +69,42 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 _clock_ns = time.perf_counter_ns
+
+# How often loaded layers are checked against the store (pruned ones
+# closed), for idleness, and the cache against its cap.
+SWEEP_S = 2.0
+# Without unloading (unload_idle_s = 0) a layer counts as used by a
+# container, for eviction's order, this long after its last request.
+IN_USE_S = 300.0
+# How often the block index learns when blocks were last read.
+LAST_READS_S = 60.0
+
+_LAYER_ROOT = re.compile(r"/([0-9a-f]{64})(?:/|$)")
+
+
+def mounted_layers(mountpoint: Path) -> set[str]:
+    """Layers some mount in this mount namespace uses: named in an overlay's
+    options (lowerdir=MOUNTPOINT/<layer>:...) or bind-mounted from the layer
+    mount (a view of one layer: a FUSE mount whose root is /<layer>)."""
+    named = re.compile(re.escape(str(mountpoint).rstrip("/") + "/") + r"([0-9a-f]{64})")
+    layers: set[str] = set()
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            layers.update(named.findall(line))
+            fields = line.split(" - ", 1)
+            if len(fields) == 2 and fields[1].startswith("fuse"):
+                root = _LAYER_ROOT.match(fields[0].split()[3])
+                if root is not None:
+                    layers.add(root.group(1))
+    return layers
+
+
+def _release_memory() -> None:
+    """Hand what unloaded layers held back to the system: Python frees
+    their objects, glibc keeps the pages unless asked."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 class BlockEvents(Protocol):
@@ -73,12 +128,23 @@ class _Layer:
     # The parent of every directory but the layer's root, for "..".
     parents: dict[int, int]
     broken: bool = False
+    # Cleared when unloaded: work for it is dropped (a reload is another _Layer).
+    loaded: bool = True
+    # time.monotonic() of the last request seen by a sweep, and whether one
+    # came since.
+    last_used: float = field(default_factory=time.monotonic)
+    touched: bool = False
+    loaded_at: float = field(default_factory=time.monotonic)
+    # A container uses it (a mount names it, or a request came lately):
+    # its blocks are evicted after those of layers nobody uses.
+    in_use: bool = True
 
     @property
     def current(self) -> bool:
-        """Still the copy the store holds (not removed or replaced), and
-        not broken: nothing more is fetched for a copy no reader can use."""
-        return not self.broken and self.store.generation(self.name) == self.generation
+        """Still loaded and the copy the store holds (not removed or
+        replaced), and not broken: nothing more is fetched for a copy no
+        reader can use."""
+        return self.loaded and not self.broken and self.store.generation(self.name) == self.generation
 
 
 def _guarded(
@@ -168,13 +234,33 @@ class LayerFS(pyfuse3.Operations):
         prefetch_parallel: int = 4,
         background_bandwidth: int = 0,
         whole_layer_bytes: int = 0,
+        cache_max_bytes: int = 0,
+        unload_idle_s: float = 0.0,
+        mountpoint: Path | None = None,
     ) -> None:
+        """`cache_max_bytes`: the block cache's cap (0: none). `unload_idle_s`:
+        unload layers no mount uses after this long without a request (0:
+        never). `mountpoint`: where the layer mount is, to tell which
+        layers mounts use."""
         super().__init__()
         self.store = store
         self.block_index = block_index
         self.fetcher_for = fetcher_for
         self.layers_by_name: dict[str, _Layer] = {}
         self.layers_by_slot: dict[int, _Layer] = {}
+        self.layers_by_copy: dict[str, _Layer] = {}
+        # Every copy's slot, loaded or not: (name, generation) -> slot.
+        self.slots: dict[tuple[str, str], int] = {}
+        self.next_slot = 1
+        # Slots of copies unloaded while the store still holds them: slot ->
+        # (name, generation). A request on one of their inodes reloads them.
+        self.unloaded: dict[int, tuple[str, str]] = {}
+        self.unload_idle_s = unload_idle_s
+        self.mountpoint = mountpoint
+        # The store's entries as the last sweep saw them: name -> ((inode,
+        # ctime), generation), so unchanged layers' source files are not read.
+        self._identities: dict[str, tuple[tuple[int, int], str | None]] = {}
+        self._last_reads_at = time.monotonic()
         # Copies (name -> generation) that failed to load: not tried again
         # until the store holds another copy.
         self.unloadable: dict[str, str] = {}
@@ -186,6 +272,10 @@ class LayerFS(pyfuse3.Operations):
         # Layers this small (compressed) are fetched whole once loaded.
         self.whole_layer_bytes = whole_layer_bytes
         self.load_lock = trio.Lock()
+        self.cache = BlockCache(store, block_index, cache_max_bytes, self.load_lock, self._copy_in_use)
+        self.cache.load()
+        if self.background is not None:
+            self.background.cache = self.cache
         self.events: BlockEvents | None = None
         # Which image each layer's fetched bytes count for, from the image requests.
         self.image_bytes = metrics.ImageBytes()
@@ -251,6 +341,7 @@ class LayerFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EIO)
         try:
             layer = await trio.to_thread.run_sync(self._load, name)
+            self._register(layer)
         except Exception as exc:
             self.unloadable[name] = generation
             metrics.LAYER_LOAD_ERRORS.inc()
@@ -277,10 +368,33 @@ class LayerFS(pyfuse3.Operations):
                 "could not fetch a small layer whole; its reads fetch what they need", layer=layer.name, error=str(exc)
             )
 
+    def _slot(self, name: str, generation: str) -> int:
+        """The slot of a copy: the one it had if it was loaded before. Only
+        under the load lock."""
+        slot = self.slots.get((name, generation))
+        if slot is None:
+            slot = self.slots[(name, generation)] = self.next_slot
+            self.next_slot += 1
+        return slot
+
+    def _register(self, layer: _Layer) -> None:
+        self.layers_by_name[layer.name] = layer
+        self.layers_by_slot[layer.slot] = layer
+        self.layers_by_copy[layer.reader.cache_key] = layer
+        self.unloaded.pop(layer.slot, None)
+        self.cache.attach(layer.reader.cache_key, layer.reader)
+        metrics.LOADED_LAYERS.set(len(self.layers_by_slot))
+
+    def _copy_in_use(self, copy: str) -> bool:
+        layer = self.layers_by_copy.get(copy)
+        return layer is not None and layer.in_use
+
     def _load(self, name: str) -> _Layer:
+        """In a thread, under the load lock: the store's copy of `name` as
+        a _Layer, not registered yet."""
         index, source = self.store.load(name)
         tree = build_tree(index.entries)
-        slot = len(self.layers_by_slot) + 1
+        slot = self._slot(name, source.generation)
         root_attr = entry_attributes(slot, tree.nodes[ROOT])
         # Layers come and go from the store: the kernel looks them up afresh each time.
         root_attr.entry_timeout = 0
@@ -304,21 +418,151 @@ class LayerFS(pyfuse3.Operations):
             self.background_limiter,
             self._access,
             self.image_bytes.fetched,
+            self.cache,
         )
         layer = _Layer(slot, name, source.generation, tree, reader, self.store, root_attr, parents)
-        self.layers_by_name[name] = layer
-        self.layers_by_slot[slot] = layer
         log.info("layer loaded", layer=name, slot=slot, blocks=len(index.blocks), cached=len(reader.cached))
         return layer
 
-    def _resolve(self, inode: int) -> tuple[_Layer, Node]:
-        layer = self.layers_by_slot.get(inode >> SLOT_SHIFT)
-        node = layer.tree.nodes.get(inode & ((1 << SLOT_SHIFT) - 1)) if layer else None
-        if layer is None or node is None:
+    async def _resolve(self, inode: int) -> tuple[_Layer, Node]:
+        slot = inode >> SLOT_SHIFT
+        layer = self.layers_by_slot.get(slot)
+        if layer is None:
+            layer = await self._reload(slot)
+        node = layer.tree.nodes.get(inode & ((1 << SLOT_SHIFT) - 1))
+        if node is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         if layer.broken:
             raise pyfuse3.FUSEError(errno.EIO)
+        layer.touched = True
         return layer, node
+
+    async def _reload(self, slot: int) -> _Layer:
+        """The copy in `slot`, unloaded while the kernel kept its inode
+        numbers: loaded again into the same slot. ENOENT if the store no
+        longer holds that copy (pruned, or replaced by another)."""
+        copy = self.unloaded.get(slot)
+        if copy is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        layer = await self._layer(copy[0])
+        if layer is None or layer.slot != slot:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        log.debug("layer reloaded for a request on its inodes", layer=layer.name, slot=slot)
+        return layer
+
+    # -- sweeps: pruned layers, idle layers, the cache cap -------------------
+
+    async def maintain(self) -> None:
+        """Sweep every SWEEP_S, for the server's life."""
+        while True:
+            await trio.sleep(SWEEP_S)
+            try:
+                await self.sweep()
+            except Exception as exc:
+                log.error("layer sweep failed; trying again at the next", error=repr(exc), exc_info=exc)
+
+    async def sweep(self, unload_idle_s: float | None = None) -> None:
+        """Close layers the store no longer holds; unload those no mount
+        uses and no request touched for `unload_idle_s` (the configured
+        one by default); evict down to the cache cap; tell the block index
+        when blocks were read."""
+        idle_s = self.unload_idle_s if unload_idle_s is None else unload_idle_s
+        began = time.monotonic()
+        generations = await trio.to_thread.run_sync(self._generations)
+        now = time.monotonic()
+        unloads = 0
+        for layer in list(self.layers_by_slot.values()):
+            if layer.loaded_at >= began:
+                continue
+            if generations.get(layer.name) != layer.generation:
+                unloads += self._unload(layer, pruned=True)
+                continue
+            if layer.touched or layer.reader.touched:
+                layer.last_used = now
+                layer.touched = layer.reader.touched = False
+        for slot, (name, generation) in list(self.unloaded.items()):
+            if generations.get(name) != generation:
+                del self.unloaded[slot]
+                self.slots.pop((name, generation), None)
+        for copy in list(self.cache.copies):
+            if copy not in self.cache.readers and generations.get(copy[:64]) != copy[64:]:
+                self.cache.forget_copy(copy)
+
+        window = idle_s if idle_s > 0 else IN_USE_S
+        stale = [layer for layer in self.layers_by_slot.values() if now - layer.last_used >= window]
+        mounted: set[str] = set()
+        if stale and self.mountpoint is not None:
+            mounted = await trio.to_thread.run_sync(mounted_layers, self.mountpoint)
+        for layer in stale:
+            if layer.name in mounted:
+                # Looked at again a window from now, not every sweep.
+                layer.last_used, layer.in_use = now, True
+            elif idle_s > 0 and not layer.broken:
+                unloads += self._unload(layer, pruned=False)
+            else:
+                layer.in_use = False
+        for layer in self.layers_by_slot.values():
+            if now - layer.last_used < window:
+                layer.in_use = True
+        if unloads:
+            _release_memory()
+        metrics.LOADED_LAYERS.set(len(self.layers_by_slot))
+
+        await self.cache.trim()
+        if now - self._last_reads_at >= LAST_READS_S:
+            self._last_reads_at = now
+            await trio.to_thread.run_sync(self.cache.write_last_reads, self.cache.touched(), int(time.time()))
+
+    def _generations(self) -> dict[str, str]:
+        """In a thread: the generation of every layer copy the store holds,
+        reading a layer's source file only when its directory changed. The
+        remembered entries are kept, not rebuilt, for unchanged layers:
+        small objects made anew each sweep and kept until the next would
+        pin the allocator's arenas that unloaded layers' trees leave empty."""
+        try:
+            entries = list(os.scandir(self.store.root))
+        except FileNotFoundError:
+            entries = []
+        present = set()
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            present.add(entry.name)
+            known = self._identities.get(entry.name)
+            if known is None or known[0] != (st.st_ino, st.st_ctime_ns):
+                self._identities[entry.name] = ((st.st_ino, st.st_ctime_ns), self.store.generation(entry.name))
+        for name in [name for name in self._identities if name not in present]:
+            del self._identities[name]
+        return {name: generation for name, (_, generation) in self._identities.items() if generation is not None}
+
+    def _unload(self, layer: _Layer, pruned: bool) -> bool:
+        """Drop a loaded copy: tree, index, reader, cache file descriptor.
+        An unloaded copy comes back on its next request; a pruned one is
+        gone. Not while a read, fetch or eviction is under way on it (the
+        next sweep tries again)."""
+        if not layer.reader.idle:
+            return False
+        copy = layer.reader.cache_key
+        layer.loaded = False
+        del self.layers_by_slot[layer.slot]
+        if self.layers_by_name.get(layer.name) is layer:
+            del self.layers_by_name[layer.name]
+        if self.layers_by_copy.get(copy) is layer:
+            del self.layers_by_copy[copy]
+        self.cache.detach(copy)
+        layer.reader.close()
+        if pruned:
+            self.cache.forget_copy(copy)
+            self.slots.pop((layer.name, layer.generation), None)
+        else:
+            self.unloaded[layer.slot] = (layer.name, layer.generation)
+        metrics.LAYER_UNLOADS.labels("pruned" if pruned else "idle").inc()
+        log.info("layer closed" if pruned else "layer unloaded", layer=layer.name, slot=layer.slot, pruned=pruned)
+        return True
 
     # -- attributes ---------------------------------------------------------
 
@@ -337,7 +581,7 @@ class LayerFS(pyfuse3.Operations):
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
         if inode == pyfuse3.ROOT_INODE:
             return self._root_attr()
-        layer, node = self._resolve(inode)
+        layer, node = await self._resolve(inode)
         return entry_attributes(layer.slot, node)
 
     @_guarded
@@ -362,7 +606,7 @@ class LayerFS(pyfuse3.Operations):
             if layer is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             return layer.root_attr
-        layer, node = self._resolve(parent_inode)
+        layer, node = await self._resolve(parent_inode)
         if name == b".":
             return entry_attributes(layer.slot, node)
         child = layer.tree.lookup(node.ino, name)
@@ -379,7 +623,7 @@ class LayerFS(pyfuse3.Operations):
 
     @_guarded
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        if inode != pyfuse3.ROOT_INODE and not self._resolve(inode)[1].is_dir:
+        if inode != pyfuse3.ROOT_INODE and not (await self._resolve(inode))[1].is_dir:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         return inode
 
@@ -401,7 +645,7 @@ class LayerFS(pyfuse3.Operations):
                 if not pyfuse3.readdir_reply(token, name.encode(), layer.root_attr, n):
                     return
             return
-        layer, node = self._resolve(fh)
+        layer, node = await self._resolve(fh)
         if start_id < DOTS:
             parent = layer.parents.get(node.ino)
             up = self._root_attr() if parent is None else entry_attributes(layer.slot, layer.tree.nodes[parent])
@@ -420,14 +664,14 @@ class LayerFS(pyfuse3.Operations):
 
     @_guarded
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
-        _, node = self._resolve(inode)
+        _, node = await self._resolve(inode)
         if not stat.S_ISLNK(node.mode):
             raise pyfuse3.FUSEError(errno.EINVAL)
         return node.target
 
     @_guarded
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        _, node = self._resolve(inode)
+        _, node = await self._resolve(inode)
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise pyfuse3.FUSEError(errno.EROFS)
         if not stat.S_ISREG(node.mode):
@@ -436,7 +680,7 @@ class LayerFS(pyfuse3.Operations):
 
     @_guarded
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        layer, node = self._resolve(fh)
+        layer, node = await self._resolve(fh)
         if off >= node.size:
             return b""
         length = min(size, node.size - off)
@@ -455,7 +699,7 @@ class LayerFS(pyfuse3.Operations):
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if inode == pyfuse3.ROOT_INODE:
             raise pyfuse3.FUSEError(errno.ENODATA)
-        _, node = self._resolve(inode)
+        _, node = await self._resolve(inode)
         value = node.xattrs.get(os.fsdecode(name))
         if value is None:
             raise pyfuse3.FUSEError(errno.ENODATA)
@@ -465,7 +709,7 @@ class LayerFS(pyfuse3.Operations):
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         if inode == pyfuse3.ROOT_INODE:
             return []
-        _, node = self._resolve(inode)
+        _, node = await self._resolve(inode)
         return [os.fsencode(k) for k in node.xattrs]
 
     @_guarded
@@ -511,3 +755,4 @@ class LayerFS(pyfuse3.Operations):
     def close(self) -> None:
         for layer in self.layers_by_slot.values():
             layer.reader.close()
+        self.cache.write_last_reads(self.cache.touched(), int(time.time()))

@@ -51,6 +51,33 @@ CACHE_WRITE_ERRORS = Counter(
     "memory, not cached.",
 )
 
+CACHE_BYTES = Gauge(
+    "bootseer_fs_cache_bytes",
+    "Bytes of cached blocks in the layer store (uncompressed, every stored layer, loaded or not).",
+)
+CACHE_MAX_BYTES = Gauge("bootseer_fs_cache_max_bytes", "The block cache's cap ([fs] cache_max_bytes, resolved).")
+EVICTED_BLOCKS = Counter("bootseer_fs_evicted_blocks", "Cached blocks evicted to stay under the cap.")
+EVICTED_BYTES = Counter("bootseer_fs_evicted_bytes", "Bytes of cached blocks evicted to stay under the cap.")
+EVICT_ERRORS = Counter(
+    "bootseer_fs_evict_errors",
+    "Evicted blocks whose bytes could not be punched out of their cache file (the space stays taken).",
+)
+UNCACHED_BLOCKS = Counter(
+    "bootseer_fs_uncached_blocks",
+    "Verified blocks served from memory without being cached because nothing under the cap could be evicted "
+    "(every cached block being read or fetched right now).",
+)
+LOADED_LAYERS = Gauge(
+    "bootseer_fs_loaded_layers",
+    "Layers loaded in the layer server now (tree, index, open cache file); see process_resident_memory_bytes.",
+)
+LAYER_UNLOADS = Counter(
+    "bootseer_fs_layer_unloads",
+    "Layers unloaded: idle (no mount uses it, no request for [fs] unload_idle_s; reloaded on next use) or "
+    "pruned (removed from the store; its cache file closed).",
+    ["reason"],
+)
+
 
 class OpTimes:
     """One operation's request times: a histogram cheap enough for every

@@ -19,6 +19,15 @@ A block the cache cannot take (disk full, I/O error) is served to its
 readers from memory and left uncached. Only a complete write is recorded,
 and after a failed one every cached block of the layer is checked against
 its crc again before it is served.
+
+Under a cache cap (eviction.py) a block is written only once the cache has
+made room for it, else it is served from memory the same way. Eviction
+takes a block out of `cached` before its record and bytes go, never a block
+a read is serving (pinned) or one on its way; a fetch of it, or of a
+neighbour whose page it shares, waits until its bytes are gone, so a block
+written again is never punched out after. A closed reader (its layer
+unloaded or pruned) refuses work with BlockUnavailable, and never touches
+its file descriptor again.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import trio
 
 from snapshotter.fs import metrics
 from snapshotter.fs.blockindex import BlockIndex, BlockIndexError, BlockRecord, BlockState
+from snapshotter.fs.eviction import BlockCache, hole
 from snapshotter.fs.settings import FETCH_DEADLINE_S
 from snapshotter.layer.blockmath import InOrderReadAhead, fetch_runs, split_run
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
@@ -106,6 +116,7 @@ class LayerReader:
         background_limiter: trio.CapacityLimiter,
         on_access: Callable[[str, int], None] | None = None,
         on_fetched: Callable[[str, int, str | None, bool], None] | None = None,
+        cache: BlockCache | None = None,
     ) -> None:
         self.name = name
         self.cache_key = cache_key
@@ -143,10 +154,36 @@ class LayerReader:
         self.on_fetched = on_fetched
         # Prefetched blocks no reader has asked for yet (the prefetch waste).
         self.unread_prefetched: set[int] = set()
+        # The store-wide cache accounting and its cap (None: no cap).
+        self.cache = cache
+        # Reads and ensures under way: the reader may close only when none is.
+        self.busy = 0
+        # Set by every read and ensure: the layer server's idle check clears it.
+        self.touched = True
+        self.closed = False
+        # Blocks a read is serving now, with how many reads: never evicted.
+        self.pinned: dict[int, int] = {}
+        # Blocks being evicted: set once their bytes are gone.
+        self.evicting: dict[int, trio.Event] = {}
+
+    @property
+    def idle(self) -> bool:
+        """Nothing under way: it may be closed."""
+        return self.busy == 0 and not self.inflight and not self.evicting
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.closed:
+            return
+        self.closed = True
+        fd, self.fd = self.fd, -1
+        os.close(fd)
         self.decoder.close()
+        metrics.PREFETCH_UNREAD.dec(len(self.unread_prefetched))
+        self.unread_prefetched.clear()
+
+    def _refuse_if_closed(self) -> None:
+        if self.closed:
+            raise BlockUnavailable(f"layer {self.name} was unloaded")
 
     async def read(self, start: int, end: int, file_end: int | None = None) -> bytes:
         """A reader's read: counted, recorded, fetched ahead of any prefetch.
@@ -155,8 +192,24 @@ class LayerReader:
         end = min(end, self.index.uncompressed_size)
         if end <= start:
             return b""
-        limit = self.index.uncompressed_size if file_end is None else file_end
+        self._refuse_if_closed()
         numbers = self.index.block_range(start, end)
+        self.busy += 1
+        self.touched = True
+        for n in numbers:
+            self.pinned[n] = self.pinned.get(n, 0) + 1
+        try:
+            return await self._read(start, end, numbers, file_end)
+        finally:
+            self.busy -= 1
+            for n in numbers:
+                if self.pinned[n] == 1:
+                    del self.pinned[n]
+                else:
+                    self.pinned[n] -= 1
+
+    async def _read(self, start: int, end: int, numbers: range, file_end: int | None) -> bytes:
+        limit = self.index.uncompressed_size if file_end is None else file_end
         wanting = False
         for n in numbers:
             if n in self.unverified:
@@ -251,6 +304,8 @@ class LayerReader:
         if self.on_access is not None:
             self.on_access(self.index.layer_digest, n)
         if n in self.cached:
+            if self.cache is not None:
+                self.cache.touch(self.cache_key, n)
             if n in self.unread_prefetched:
                 self.unread_prefetched.discard(n)
                 metrics.PREFETCH_UNREAD.dec()
@@ -279,6 +334,19 @@ class LayerReader:
         Without a deadline (prefetches) each fetch is bounded on its own.
         `image`: the image a prefetch is for, whose bytes the fetches it
         starts count for."""
+        self._refuse_if_closed()
+        self.busy += 1
+        self.touched = True
+        try:
+            return await self._ensure(numbers, origin, deadline, image)
+        finally:
+            self.busy -= 1
+
+    async def _ensure(
+        self, numbers: range | list[int], origin: Origin, deadline: float | None, image: str | None
+    ) -> dict[int, bytes]:
+        await self._wait_evictions(numbers)
+        self._refuse_if_closed()
         to_fetch: list[int] = []
         waits: list[tuple[int, _Flight]] = []
         for n in numbers:
@@ -302,6 +370,83 @@ class LayerReader:
         finally:
             metrics.READ_WAITS.dec()
             metrics.READ_WAIT_SECONDS.observe(time.monotonic() - began)
+
+    async def _wait_evictions(self, numbers: range | list[int]) -> None:
+        """Until no block in `numbers`, nor a neighbour it shares a page
+        with, is being evicted: a block written while its old bytes are
+        being punched out could be punched out with them."""
+        if not self.evicting:
+            return
+        while True:
+            event = next(
+                (
+                    e
+                    for n in numbers
+                    if n not in self.cached
+                    for e in (self.evicting.get(n - 1), self.evicting.get(n), self.evicting.get(n + 1))
+                    if e is not None
+                ),
+                None,
+            )
+            if event is None:
+                return
+            await event.wait()
+
+    def evictable(self, n: int) -> bool:
+        """Block `n` may be evicted now: cached, and no read serving it, no
+        fetch bringing it (eviction.BlockCache)."""
+        return (
+            not self.closed
+            and n in self.cached
+            and n not in self.pinned
+            and n not in self.inflight
+            and n not in self.evicting
+        )
+
+    async def evict(self, numbers: list[int]) -> list[int]:
+        """Evict those of `numbers` still evictable: out of `cached` at once
+        (later reads fetch them again), then, in a thread, their records out
+        of the block index and their bytes out of the cache file. Returns
+        the ones evicted."""
+        assert self.cache is not None
+        victims = [n for n in numbers if self.evictable(n)]
+        if not victims:
+            return []
+        done = trio.Event()
+        for n in victims:
+            self.cached.discard(n)
+            self.unverified.pop(n, None)
+            self.readahead_marks.discard(n)
+            if n in self.unread_prefetched:
+                self.unread_prefetched.discard(n)
+                metrics.PREFETCH_UNREAD.dec()
+            self.evicting[n] = done
+        blocks = self.index.blocks
+
+        def free(n: int) -> bool:
+            return not 0 <= n < len(blocks) or (n not in self.cached and n not in self.inflight)
+
+        ranges = [hole(blocks[n].ustart, blocks[n].uend - blocks[n].ustart, free(n - 1), free(n + 1)) for n in victims]
+        self.busy += 1
+        try:
+            forgotten = await trio.to_thread.run_sync(self._evict_in_thread, victims, ranges)
+        finally:
+            for n in victims:
+                del self.evicting[n]
+            done.set()
+            self.busy -= 1
+        if not forgotten:
+            # Records and bytes are still there, and match: cached again.
+            self.cached.update(victims)
+            return []
+        return victims
+
+    def _evict_in_thread(self, victims: list[int], ranges: list[tuple[int, int]]) -> bool:
+        assert self.cache is not None
+        if not self.cache.forget_records(self.cache_key, victims):
+            return False
+        self.cache.punch(self.fd, self.name, ranges)
+        return True
 
     async def _wait(
         self,
@@ -400,15 +545,12 @@ class LayerReader:
 
         async def store(n: int, compressed: bytes) -> None:
             try:
-                uncached = await trio.to_thread.run_sync(self._store, n, compressed)
+                data = await trio.to_thread.run_sync(self.decoder.decode, n, compressed)
             except Exception as exc:
                 errors.append(exc)
                 return
             metrics.FETCHED_BLOCKS.inc()
-            if uncached is None:
-                self.cached.add(n)
-            else:
-                self._distrust_cache()
+            uncached = await self._cache_block(n, data)
             remaining.remove(n)
             self._land(n, None, uncached)
 
@@ -417,6 +559,31 @@ class LayerReader:
                 nursery.start_soon(store, n, compressed)
         if errors:
             raise errors[0]
+
+    async def _cache_block(self, n: int, data: bytes) -> bytes | None:
+        """Write verified block `n` to the cache once there is room for it:
+        None once it is cached, else its bytes, for its readers from memory."""
+        if self.closed:
+            return data
+        if self.cache is None:
+            failed = await trio.to_thread.run_sync(self._write, n, data)
+        elif not await self.cache.reserve(len(data)):
+            metrics.UNCACHED_BLOCKS.inc()
+            log.info("nothing to evict under the cache cap; serving a block from memory", layer=self.name, block=n)
+            return data
+        else:
+            failed = True
+            try:
+                if not self.closed:
+                    failed = await trio.to_thread.run_sync(self._write, n, data)
+            finally:
+                self.cache.settle(len(data), self.cache_key, n, self.index.blocks[n].ustart, not failed)
+        if failed:
+            if not self.closed:
+                self._distrust_cache()
+            return data
+        self.cached.add(n)
+        return None
 
     async def _fetch_range(self, start: int, end: int, origin: Origin, deadline: float | None) -> bytes:
         """The bytes from a worker thread holding one of `origin`'s fetch
@@ -442,23 +609,22 @@ class LayerReader:
         metrics.FETCH_SECONDS.observe(time.monotonic() - began)
         return data
 
-    def _store(self, number: int, compressed: bytes) -> bytes | None:
-        """Verify and decompress, write to the cache, then record it with its
-        crc. Returns the bytes when the cache could not take them: verified,
-        they can still be served."""
+    def _write(self, number: int, data: bytes) -> bool:
+        """Write a verified, decompressed block to the cache, then record it
+        with its crc and place. True if the cache could not take it."""
         block = self.index.blocks[number]
-        data = self.decoder.decode(number, compressed)
         try:
             written = os.pwrite(self.fd, data, block.ustart)
             if written == len(data):
-                self.block_index.put(self.cache_key, number, BlockRecord(BlockState.CACHED, zlib.crc32(data)))
-                return None
+                record = BlockRecord(BlockState.CACHED, zlib.crc32(data), block.ustart, len(data), int(time.time()))
+                self.block_index.put(self.cache_key, number, record)
+                return False
             error = f"short write: {written} of {len(data)} bytes"
         except (OSError, BlockIndexError) as exc:
             error = str(exc)
         metrics.CACHE_WRITE_ERRORS.inc()
         log.warning("block could not be cached; serving it from memory", layer=self.name, block=number, error=error)
-        return data
+        return True
 
     def _distrust_cache(self) -> None:
         """A failed write can mean the file lost bytes it had taken (a failed

@@ -28,7 +28,7 @@ from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.fs.layerfs import LayerFS
 from snapshotter.fs.layers import LayerSource, LayerStore
 from snapshotter.fs.reader import BoundedFetcher, RangeFetcher
-from snapshotter.fs.settings import FsConfig
+from snapshotter.fs.settings import FsConfig, cache_cap
 from snapshotter.registry.config import client_from_config
 from snapshotter.registry.reference import parse as parse_reference
 from snapshotter.registry.settings import RegistryConfig
@@ -94,6 +94,8 @@ def serve(
             fs.fetch_deadline_s,
         )
 
+    cap = cache_cap(fs, store.root)
+    log.info("block cache cap", max_bytes=cap, store=str(fs.store))
     ops = LayerFS(
         store,
         block_index,
@@ -102,6 +104,9 @@ def serve(
         fs.prefetch_parallel,
         fs.background_bandwidth if fs.background_fetch else 0,
         fs.whole_layer_bytes,
+        cache_max_bytes=cap,
+        unload_idle_s=fs.unload_idle_s,
+        mountpoint=fs.mountpoint,
     )
     local = LocalManifests(store.hot_manifests_path)
     hot = (
@@ -161,6 +166,7 @@ async def _main(
         if hot is not None:
             nursery.start_soon(hot.run)
         nursery.start_soon(_tune_readahead, ops, mountpoint)
+        nursery.start_soon(ops.maintain)
         if ops.background is not None:
             nursery.start_soon(ops.background.run)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -3,6 +3,7 @@ the snapshotter finds it."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,3 +48,25 @@ class FsConfig:
     # are served, with the prefetch slots: a few Range requests instead of a
     # miss per file (0: off).
     whole_layer_bytes: int = 32 << 20
+    # The block cache's cap in bytes; 0: cache_max_percent of the size of
+    # the layer store's filesystem, measured at start. Above it the least
+    # recently read blocks are evicted, those of layers no container uses
+    # first.
+    cache_max_bytes: int = 0
+    # 20%: a node's image filesystem also holds normally pulled images and
+    # containers' writable layers, and kubelet's image garbage collection
+    # starts at 85% full; a fifth of a 2 TB disk still caches dozens of
+    # large training images (a start reads a few GB of each).
+    cache_max_percent: float = 20.0
+    # A layer no mount uses and no request touched for this long is
+    # unloaded (tree, index, cache file descriptor; loaded again on its
+    # next use); 0: never.
+    unload_idle_s: float = 300.0
+
+
+def cache_cap(config: FsConfig, store: Path) -> int:
+    """The block cache's cap in bytes, as `config` asks for it on `store`."""
+    if config.cache_max_bytes > 0:
+        return config.cache_max_bytes
+    st = os.statvfs(store)
+    return int(st.f_blocks * st.f_frsize * config.cache_max_percent / 100)

@@ -17,7 +17,7 @@ import pytest
 import zstandard
 
 from depsnap import image as image_mod
-from depsnap import lazy, snapshot
+from depsnap import layout, lazy, snapshot
 from depsnap.cache import Cache
 from depsnap.format import Chunk, CorruptSnapshot, Manifest, header, pack
 from depsnap.store import StoreUnavailable
@@ -105,7 +105,7 @@ def publish_tree(work: Work, middle: int = 300 << 10) -> Published:
 
 
 def server_pid(target: Path) -> int:
-    return int((snapshot.side_dir(target) / "server.pid").read_text())
+    return int((layout.side_dir(target) / "server.pid").read_text())
 
 
 def gone(pid: int) -> bool:
@@ -118,7 +118,7 @@ def gone(pid: int) -> bool:
 
 def server_log(target: Path) -> list[dict[str, object]]:
     """The lazy server's log file, one JSON record a line."""
-    return [json.loads(line) for line in (snapshot.side_dir(target) / "server.log").read_text().splitlines()]
+    return [json.loads(line) for line in (layout.side_dir(target) / "server.log").read_text().splitlines()]
 
 
 def logged(target: Path, event: str, level: str) -> bool:
@@ -128,7 +128,7 @@ def logged(target: Path, event: str, level: str) -> bool:
 def release_and_check(target: Path) -> None:
     pid = server_pid(target)
     snapshot.release(target)
-    assert not target.exists() and not snapshot.side_dir(target).exists()
+    assert not target.exists() and not layout.side_dir(target).exists()
     assert gone(pid), "the lazy server outlived its mount"
 
 
@@ -162,7 +162,7 @@ def test_corrupt_chunk_is_never_served(work: Work) -> None:
     cache = Cache(work.cache, 1 << 30)
     target = work.root / "env"
     snapshot.restore_lazily(str(published.store), cache, target, KEY)
-    remote_image = snapshot.side_dir(target) / "remote" / lazy.IMAGE_NAME
+    remote_image = layout.side_dir(target) / "remote" / lazy.IMAGE_NAME
     with open(remote_image, "rb") as f:
         with pytest.raises(OSError) as caught:
             os.pread(f.fileno(), 4096, bad * CHUNK)
@@ -216,6 +216,6 @@ def test_absent_snapshot_starts_no_server(work: Work) -> None:
     target = work.root / "env"
     with pytest.raises(StoreUnavailable):
         snapshot.restore_lazily(str(work.store), Cache(work.cache, 1 << 30), target, KEY)
-    assert not target.exists() and not snapshot.side_dir(target).exists()
+    assert not target.exists() and not layout.side_dir(target).exists()
     mounts = subprocess.run(["findmnt", "-rn", "-R", str(work.root)], capture_output=True, check=False)
     assert mounts.stdout == b""

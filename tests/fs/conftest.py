@@ -58,9 +58,15 @@ class Mounted:
     blobs: dict[str, Blob]
     thread: threading.Thread
     ops: LayerFS
+    # The server's trio loop, for calls into it from the test (a sweep, say).
+    token: trio.lowlevel.TrioToken
 
     def layer(self, digest: str) -> Path:
         return self.mountpoint / digest.split(":")[1]
+
+    def sweep(self, unload_idle_s: float | None = None) -> None:
+        """One sweep of the server now, as its maintenance loop would do."""
+        trio.from_thread.run(self.ops.sweep, unload_idle_s, trio_token=self.token)
 
 
 def make_layer(members: list[tuple[tarfile.TarInfo, bytes | None]], compress: bool = True) -> bytes:
@@ -134,7 +140,13 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
     mounted: list[Mounted] = []
 
     def mount(
-        blobs: dict[str, Blob], store_dir: Path | None = None, background_bandwidth: int = 0, whole_layer_bytes: int = 0
+        blobs: dict[str, Blob],
+        store_dir: Path | None = None,
+        background_bandwidth: int = 0,
+        whole_layer_bytes: int = 0,
+        cache_max_bytes: int = 0,
+        unload_idle_s: float = 0.0,
+        maintain: bool = False,
     ) -> Mounted:
         store = LayerStore(store_dir or tmp_path / "store")
         block_index = BlockIndex(store.block_index_path)
@@ -146,13 +158,21 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
             lambda source: blobs[source.digest].fetch,
             background_bandwidth=background_bandwidth,
             whole_layer_bytes=whole_layer_bytes,
+            cache_max_bytes=cache_max_bytes,
+            unload_idle_s=unload_idle_s,
+            mountpoint=mountpoint,
         )
         pyfuse3.init(ops, str(mountpoint), ["fsname=bootseer-test", "ro", "default_permissions"])
 
+        tokens: list[trio.lowlevel.TrioToken] = []
+
         async def serve() -> None:
+            tokens.append(trio.lowlevel.current_trio_token())
             async with trio.open_nursery() as nursery:
                 if ops.background is not None:
                     nursery.start_soon(ops.background.run)
+                if maintain:
+                    nursery.start_soon(ops.maintain)
                 await pyfuse3.main()
                 nursery.cancel_scope.cancel()
 
@@ -167,7 +187,7 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         wait_until(lambda: os.path.ismount(mountpoint), 10, "the FUSE mount")
-        m = Mounted(mountpoint, store, blobs, thread, ops)
+        m = Mounted(mountpoint, store, blobs, thread, ops, tokens[0])
         mounted.append(m)
         return m
 

@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tarfile
 import tempfile
 import time
 import uuid
@@ -147,6 +148,20 @@ disabled_plugins = [{disabled}]
 
 
 @dataclass(frozen=True)
+class BindMount:
+    """A host path bind-mounted into a container (`ctr run --mount`), the way
+    a pod's hostPath volume is."""
+
+    source: Path
+    destination: str
+    read_only: bool = False
+
+    def ctr_arg(self) -> str:
+        options = "rbind:ro" if self.read_only else "rbind:rw"
+        return f"type=bind,src={self.source},dst={self.destination},options={options}"
+
+
+@dataclass(frozen=True)
 class SnapshotRow:
     parent: str  # "" for a bottom layer
     kind: str  # "Committed", "Active" or "View"
@@ -206,6 +221,37 @@ class Containerd:
         mode = "-d" if detach else "--rm"
         args = ("run", mode, "--snapshotter", snapshotter, image, container_id, *argv)
         return self.ctr(*args).stdout
+
+    def run_with_mounts(
+        self,
+        image: str,
+        container_id: str,
+        *argv: str,
+        mounts: tuple[BindMount, ...] = (),
+        env: dict[str, str] | None = None,
+        snapshotter: str = PROXY_NAME,
+        timeout: float = CTR_TIMEOUT,
+    ) -> subprocess.CompletedProcess[str]:
+        """`ctr run --rm` of `argv` with bind mounts and environment variables,
+        and no capability beyond ctr's defaults; the result is returned
+        whatever the container's exit status (ctr exits with it)."""
+        args = ["run", "--rm", "--snapshotter", snapshotter]
+        for mount in mounts:
+            args += ["--mount", mount.ctr_arg()]
+        for name, value in (env or {}).items():
+            args += ["--env", f"{name}={value}"]
+        return self.ctr(*args, image, container_id, *argv, check=False, timeout=timeout)
+
+    def import_layout(self, layout_dir: Path, base_name: str) -> None:
+        """`ctr images import` of an OCI image layout directory (tests/harness/oci.py
+        writes them), named `base_name:TAG`; no registry needed."""
+        archive = layout_dir.with_suffix(".tar")
+        with tarfile.open(archive, "w") as tar:
+            tar.add(layout_dir, arcname=".")
+        try:
+            self.ctr("images", "import", "--base-name", base_name, str(archive))
+        finally:
+            archive.unlink(missing_ok=True)
 
     def exec(self, container_id: str, exec_id: str, *argv: str) -> str:
         """`ctr tasks exec` in a running container; returns its stdout."""

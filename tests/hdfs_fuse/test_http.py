@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 import hdfs_fuse
 from hdfs_fuse.copy import copy
@@ -36,13 +37,24 @@ def test_striped_reads_match_the_files(tree: Tree, nginx: Nginx) -> None:
                 assert f.pread(size, offset) == data[offset : offset + size]
 
 
+def _second_reads() -> float:
+    """Stripe reads issued again so far: retries after a failure, and hedges
+    of a stripe slower than the timeout (a loaded machine has those)."""
+    return sum(
+        REGISTRY.get_sample_value(name) or 0.0
+        for name in ("bootseer_hdfs_fuse_retries_total", "bootseer_hdfs_fuse_hedged_reads_total")
+    )
+
+
 def test_stripes_are_range_requests_over_parallel_connections(tree: Tree, nginx: Nginx) -> None:
     before = nginx.access_log.read_text().count("\n")
+    again = _second_reads()
     with Client(small_config()) as client, client.open(f"{nginx.url}/big.bin") as f:
         assert f.read() == tree.files["big.bin"]
     lines = nginx.access_log.read_text().splitlines()[before:]
     gets = [line for line in lines if '"GET /big.bin' in line]
-    assert len(gets) == 25  # one per stripe, each exactly once
+    # One per stripe, each once but for the reads issued again.
+    assert len(gets) == 25 + (_second_reads() - again)
     assert all(re.search(r'" 206 \d+', line) for line in gets)
 
 
