@@ -155,10 +155,13 @@ class BindMount:
     source: Path
     destination: str
     read_only: bool = False
+    # Mount propagation, as a pod's volumeMounts mountPropagation sets it:
+    # "rslave" is HostToContainer (mounts made on the host later show).
+    propagation: str = ""
 
     def ctr_arg(self) -> str:
-        options = "rbind:ro" if self.read_only else "rbind:rw"
-        return f"type=bind,src={self.source},dst={self.destination},options={options}"
+        options = ["rbind", "ro" if self.read_only else "rw", *([self.propagation] if self.propagation else [])]
+        return f"type=bind,src={self.source},dst={self.destination},options={':'.join(options)}"
 
 
 @dataclass(frozen=True)

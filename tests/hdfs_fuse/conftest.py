@@ -125,11 +125,12 @@ def _umount(path: Path) -> None:
 
 @pytest.fixture
 def mount(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
-    """`mount(uri, *flags)`: a foreground hdfs-fuse daemon, ready once mounted."""
+    """`mount(uri, *flags, directory=None)`: a foreground hdfs-fuse daemon,
+    ready once mounted at `directory` (the test's tmp_path)/mnt<n>."""
     mounts: list[Mount] = []
 
-    def start(uri: str, *flags: str) -> Mount:
-        path = tmp_path / f"mnt{len(mounts)}"
+    def start(uri: str, *flags: str, directory: Path | None = None) -> Mount:
+        path = (directory or tmp_path) / f"mnt{len(mounts)}"
         path.mkdir()
         port = free_tcp_port()
         argv = [
