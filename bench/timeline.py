@@ -128,8 +128,51 @@ def summarise(runs: list[Run]) -> dict[str, object]:
 
 
 def limit_s(warm_s: float, hot_bytes: int, bytes_per_s: float) -> float:
-    """The best a start over this link can do: warm start plus moving what it reads."""
+    """The additive limit: warm start plus moving what it reads (an upper
+    bound of the best, as the two can overlap; see `strict_limit_s`)."""
     return warm_s + hot_bytes / bytes_per_s
+
+
+def strict_limit_s(warm_s: float, hot_bytes: int, bytes_per_s: float) -> float:
+    """The strict limit: no start beats a warm start, nor moving the bytes it
+    truly reads over the link; the two can overlap, so the larger of them."""
+    return max(warm_s, hot_bytes / bytes_per_s)
+
+
+def ratios(
+    medians: dict[str, float],
+    bytes_fetched: dict[str, int],
+    limit: float | None,
+    strict_limit: float | None,
+) -> dict[str, float | None]:
+    """Every ratio the startup benchmark reports, from each mode's median
+    time and bytes over the link; None where a mode was not run."""
+
+    def t(mode: str) -> float | None:
+        return medians.get(mode)
+
+    def b(mode: str) -> float | None:
+        value = bytes_fetched.get(mode)
+        return None if value is None else float(value)
+
+    return {
+        "lazy_vs_overlayfs": ratio(t("lazy"), t("overlayfs")),
+        "prefetch_vs_overlayfs": ratio(t("prefetch"), t("overlayfs")),
+        "prefetch_vs_limit": ratio(t("prefetch"), limit),
+        "lazy_vs_limit": ratio(t("lazy"), limit),
+        "overlayfs_vs_limit": ratio(t("overlayfs"), limit),
+        "warm_vs_overlayfs": ratio(t("warm"), t("overlayfs")),
+        "prefetch_vs_strict_limit": ratio(t("prefetch"), strict_limit),
+        "lazy_vs_strict_limit": ratio(t("lazy"), strict_limit),
+        "stargz_optimized_vs_strict_limit": ratio(t("stargz-optimized"), strict_limit),
+        "prefetch_vs_stargz_optimized": ratio(t("prefetch"), t("stargz-optimized")),
+        "lazy_vs_stargz": ratio(t("lazy"), t("stargz")),
+        "prefetch_vs_stargz": ratio(t("prefetch"), t("stargz")),
+        # Bytes over the link: bootseer's best mode against stargz's.
+        "bytes_vs_stargz_optimized": ratio(b("prefetch"), b("stargz-optimized")),
+        "lazy_bytes_vs_stargz": ratio(b("lazy"), b("stargz")),
+        "lazy_warm_vs_warm": ratio(t("lazy-warm"), t("warm")),
+    }
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

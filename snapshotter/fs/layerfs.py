@@ -3,7 +3,9 @@ store by name; each layer directory is that layer's tree, read-only.
 
 Inode numbers: the mount root is 1; a layer copy given slot S owns inodes
 S << 32 | n for its tree's inode n, so hardlinks within a layer share an
-inode and layers never collide. A copy keeps its slot for the server's life.
+inode and layers never collide. A copy keeps its slot for as long as the
+store holds it, across unloads and across layer-server processes
+(fs/slots.py), so every inode number the kernel holds keeps its meaning.
 
 Bounded memory: a layer no mount uses (no overlay lowerdir or bind mount in
 the server's mount namespace names it) and no request touched for
@@ -54,6 +56,7 @@ from snapshotter.fs.control import CONTROL_PREFIX, ImageRequest, read_request
 from snapshotter.fs.eviction import BlockCache
 from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
 from snapshotter.fs.reader import BlockUnavailable, LayerReader, Origin, RangeFetcher
+from snapshotter.fs.slots import SlotTable
 from snapshotter.layer.tree import ROOT, LayerTree, Node, build_tree
 
 log = structlog.get_logger("bootseer.fs")
@@ -249,12 +252,18 @@ class LayerFS(pyfuse3.Operations):
         self.layers_by_name: dict[str, _Layer] = {}
         self.layers_by_slot: dict[int, _Layer] = {}
         self.layers_by_copy: dict[str, _Layer] = {}
-        # Every copy's slot, loaded or not: (name, generation) -> slot.
-        self.slots: dict[tuple[str, str], int] = {}
-        self.next_slot = 1
+        # Every copy's slot, loaded or not, kept in the store across restarts.
+        self.slots = SlotTable.load(store.slots_path)
         # Slots of copies unloaded while the store still holds them: slot ->
         # (name, generation). A request on one of their inodes reloads them.
+        # At start that is every copy an earlier process gave a slot: the
+        # kernel may hold their inode numbers still.
         self.unloaded: dict[int, tuple[str, str]] = {}
+        for name, generation, slot in self.slots.copies():
+            if store.generation(name) == generation:
+                self.unloaded[slot] = (name, generation)
+            else:
+                self.slots.drop(name, generation)
         self.unload_idle_s = unload_idle_s
         self.mountpoint = mountpoint
         # The store's entries as the last sweep saw them: name -> ((inode,
@@ -369,13 +378,9 @@ class LayerFS(pyfuse3.Operations):
             )
 
     def _slot(self, name: str, generation: str) -> int:
-        """The slot of a copy: the one it had if it was loaded before. Only
-        under the load lock."""
-        slot = self.slots.get((name, generation))
-        if slot is None:
-            slot = self.slots[(name, generation)] = self.next_slot
-            self.next_slot += 1
-        return slot
+        """The slot of a copy: the one it had if it was loaded before, by
+        this process or an earlier one. Only under the load lock."""
+        return self.slots.assign(name, generation)
 
     def _register(self, layer: _Layer) -> None:
         self.layers_by_name[layer.name] = layer
@@ -483,7 +488,7 @@ class LayerFS(pyfuse3.Operations):
         for slot, (name, generation) in list(self.unloaded.items()):
             if generations.get(name) != generation:
                 del self.unloaded[slot]
-                self.slots.pop((name, generation), None)
+                self.slots.drop(name, generation)
         for copy in list(self.cache.copies):
             if copy not in self.cache.readers and generations.get(copy[:64]) != copy[64:]:
                 self.cache.forget_copy(copy)
@@ -557,7 +562,7 @@ class LayerFS(pyfuse3.Operations):
         layer.reader.close()
         if pruned:
             self.cache.forget_copy(copy)
-            self.slots.pop((layer.name, layer.generation), None)
+            self.slots.drop(layer.name, layer.generation)
         else:
             self.unloaded[layer.slot] = (layer.name, layer.generation)
         metrics.LAYER_UNLOADS.labels("pruned" if pruned else "idle").inc()

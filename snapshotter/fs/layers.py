@@ -11,6 +11,7 @@ layer server (which serves them):
     STORE/blocks.lmdb/       the block index: (layer copy, block) -> state and crc
     STORE/hot.lmdb/          hot-block manifests this node holds (recorder.localstore)
     STORE/images/<hex>.json  image requests to the layer server (fs.control)
+    STORE/slots.json         each layer copy's slot in the mount (fs.slots)
 
 A layer directory appears complete or not at all: it is written under a
 temporary name and renamed, so the server never loads half a layer. Each
@@ -48,6 +49,7 @@ CACHE = "cache"
 BLOCK_INDEX = "blocks.lmdb"
 HOT_MANIFESTS = "hot.lmdb"
 REQUESTS = "images"
+SLOTS = "slots.json"
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,10 @@ class LayerStore:
     @property
     def hot_manifests_path(self) -> Path:
         return self.root / HOT_MANIFESTS
+
+    @property
+    def slots_path(self) -> Path:
+        return self.root / SLOTS
 
     def request_path(self, name: str) -> Path:
         return self.root / REQUESTS / f"{name}.json"

@@ -76,3 +76,25 @@ def test_waits_vs_warm_only_compares_shared_segments() -> None:
     lazy = {"pull: index + remote mounts": 1.0, "import torch": 9.0}
     warm = {"import torch": 3.5}
     assert timeline.waits_vs_warm(lazy, warm) == {"import torch": 5.5}
+
+
+def test_strict_limit_is_the_larger_of_warm_and_moving_the_hot_bytes() -> None:
+    # 250 MB over 1 Gbit/s takes 2 s: longer than a 1.5 s warm start...
+    assert timeline.strict_limit_s(1.5, 250_000_000, 125_000_000) == 2.0
+    # ...and shorter than a 3 s one: the two overlap, so the warm start bounds it.
+    assert timeline.strict_limit_s(3.0, 250_000_000, 125_000_000) == 3.0
+
+
+def test_ratios_against_the_peer_and_the_limits() -> None:
+    medians = {"prefetch": 3.0, "lazy": 4.0, "stargz": 8.0, "stargz-optimized": 6.0, "warm": 2.0, "lazy-warm": 2.2}
+    fetched = {"prefetch": 150, "stargz-optimized": 300, "lazy": 200, "stargz": 400}
+    r = timeline.ratios(medians, fetched, limit=4.0, strict_limit=2.5)
+    assert r["prefetch_vs_stargz_optimized"] == 0.5
+    assert r["lazy_vs_stargz"] == 0.5
+    assert r["prefetch_vs_strict_limit"] == 1.2
+    assert r["prefetch_vs_limit"] == 0.75
+    assert r["bytes_vs_stargz_optimized"] == 0.5
+    assert r["lazy_warm_vs_warm"] == 1.1
+    # A mode not run leaves its ratios empty, not zero.
+    assert r["lazy_vs_overlayfs"] is None
+    assert timeline.ratios({}, {}, None, None)["prefetch_vs_strict_limit"] is None

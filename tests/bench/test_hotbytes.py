@@ -1,0 +1,105 @@
+"""The strict limit's input: pages read -> tar ranges -> compressed bytes."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import random
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import hotbytes
+from bench.hotbytes import OffsetMap
+
+
+def test_merge_joins_overlapping_and_touching_ranges_and_drops_empty_ones() -> None:
+    assert hotbytes.merge([(10, 20), (0, 5), (5, 8), (15, 30), (40, 40), (50, 60)]) == [(0, 8), (10, 30), (50, 60)]
+    assert hotbytes.merge([]) == []
+
+
+def test_resident_ranges_follow_the_vector_and_stop_at_the_file_end() -> None:
+    # Pages 0-1 and 3 resident, 2 not; only bit 0 counts; the last page is partial.
+    assert hotbytes.resident_ranges(bytes([1, 3, 2, 1]), 3 * 4096 + 100, page=4096) == [
+        (0, 8192),
+        (12288, 12388),
+    ]
+    assert hotbytes.resident_ranges(bytes([0, 0]), 8192, page=4096) == []
+
+
+def test_offset_map_interpolates_between_samples() -> None:
+    m = OffsetMap(np.array([0, 100, 200]), np.array([0, 10, 60]))
+    assert m.compressed_bytes([(0, 100)]) == 10
+    assert m.compressed_bytes([(150, 200)]) == 25
+    # Two ranges, one spanning a sample.
+    assert m.compressed_bytes([(0, 50), (50, 150)]) == 35
+    assert m.compressed_bytes([]) == 0
+
+
+def _layer(path: Path, files: dict[str, bytes]) -> None:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("./hard")
+        link.type, link.linkname = tarfile.LNKTYPE, "./noise"
+        tar.addfile(link)
+    path.write_bytes(gzip.compress(raw.getvalue(), compresslevel=6))
+
+
+def test_layer_map_finds_each_file_and_prices_it_by_its_compressibility(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    noise = rng.randbytes(600_000)  # incompressible
+    zeros = bytes(600_000)  # compresses to almost nothing
+    blob = tmp_path / "layer.tar.gz"
+    _layer(blob, {"./noise": noise, "./usr/zeros": zeros})
+    m = hotbytes.build_layer_map(blob)
+    assert set(m.files) == {"noise", "usr/zeros"}  # the hardlink has no data of its own
+    raw = gzip.decompress(blob.read_bytes())
+    for name, data in (("noise", noise), ("usr/zeros", zeros)):
+        offset, size = m.files[name]
+        assert raw[offset : offset + size] == data
+    # The whole stream costs the whole blob (give or take the header and trailer).
+    total = m.offsets.compressed_bytes([(0, len(raw))])
+    assert abs(total - blob.stat().st_size) < 64
+    offset, size = m.files["noise"]
+    assert m.offsets.compressed_bytes([(offset, offset + size)]) == pytest.approx(len(noise), rel=0.05)
+    offset, size = m.files["usr/zeros"]
+    assert m.offsets.compressed_bytes([(offset, offset + size)]) < len(zeros) / 50
+
+
+def test_layer_map_is_cached_by_blob_name(tmp_path: Path) -> None:
+    blob = tmp_path / "0123abcd"
+    _layer(blob, {"./a": b"x" * 10_000})
+    first = hotbytes.layer_map(blob, tmp_path / "cache")
+    blob.write_bytes(b"not read again")
+    again = hotbytes.layer_map(blob, tmp_path / "cache")
+    assert again.files == first.files
+    assert np.array_equal(again.offsets.compressed, first.offsets.compressed)
+
+
+def test_multi_member_gzip_is_one_stream(tmp_path: Path) -> None:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        info = tarfile.TarInfo("f")
+        info.size = 200_000
+        tar.addfile(info, io.BytesIO(os.urandom(200_000)))
+    data = raw.getvalue()
+    blob = tmp_path / "multi"
+    blob.write_bytes(gzip.compress(data[:100_000]) + gzip.compress(data[100_000:]))
+    m = hotbytes.build_layer_map(blob)
+    assert m.files["f"][1] == 200_000
+    assert abs(m.offsets.compressed_bytes([(0, len(data))]) - blob.stat().st_size) < 128
+
+
+def test_a_file_just_written_is_resident(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"a" * 10_000)
+    assert hotbytes.file_resident_ranges(path) == [(0, 10_000)]
+    (tmp_path / "empty").write_bytes(b"")
+    assert hotbytes.file_resident_ranges(tmp_path / "empty") == []
