@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bootseer.commands import depsnap, hdfs_fuse, pull, record, snapshotter, trust
+from bootseer.commands import depsnap, hdfs_fuse, pull, record, report, snapshotter, trust
 from bootseer.config import ConfigError
 from bootseer.options import EXIT_USAGE, CommandError
 
 # In --help order.
-COMMANDS = (snapshotter, pull, record, depsnap, hdfs_fuse, trust)
+COMMANDS = (snapshotter, pull, record, depsnap, hdfs_fuse, trust, report)
 
 
 def build_parser() -> argparse.ArgumentParser:

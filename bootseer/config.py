@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from depsnap.settings import DepsnapConfig
+from eventlog.settings import EventsConfig
 from hdfs_fuse.settings import HdfsFuseConfig
 from snapshotter.cri.settings import CriConfig
 from snapshotter.fs.settings import FsConfig
@@ -46,6 +47,7 @@ class Config:
     trust: TrustConfig = field(default_factory=TrustConfig)
     hdfs_fuse: HdfsFuseConfig = field(default_factory=HdfsFuseConfig)
     depsnap: DepsnapConfig = field(default_factory=DepsnapConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")

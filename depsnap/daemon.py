@@ -15,6 +15,11 @@ nothing else of the host.
     {"op": "stats"}                              -> {"ok", counters...}
     {"op": "pod-attach", "key": K, "target": T}  -> {"ok", "found", "source", "size"}
     {"op": "pod-capture", "key": K, "target": T} -> {"ok", "captured", "detail"}
+    {"op": "mark", "name": N}                    -> {"ok"}
+
+`mark` is how a job in a pod says it reached a point of its start (its
+`ready`, before the first training step): the daemon writes it to its event
+log with the caller's cgroup, which names the container, for `bootseer report`.
 
 The pod operations (`depsnap.pods`) act on the caller's own mount namespace
 and root, found from the socket's peer. `put`, `discard` and a `fetch` that
@@ -44,6 +49,7 @@ from typing import Any
 import structlog
 from prometheus_client import Counter, Gauge
 
+import eventlog
 from depsnap import linux
 from depsnap.cache import Cache
 from depsnap.format import CorruptSnapshot
@@ -125,7 +131,16 @@ class NodeCache:
 
     def fetch(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         key = _key(request)
+        started = eventlog.now()
         fetched = self.cache.fetch(key, self._store(request.get("store")))
+        eventlog.emit(
+            "depsnap.fetch",
+            key=key,
+            source=fetched.source if fetched is not None else "absent",
+            bytes=fetched.size if fetched is not None else 0,
+            start=started,
+            end=eventlog.now(),
+        )
         if fetched is None:
             FETCHES.labels("absent").inc()
             self._count("absent")
@@ -173,6 +188,7 @@ class NodeCache:
 
     def _pod(self, op: str, request: dict[str, Any], peer: linux.Peer) -> dict[str, Any]:
         key = _key(request)
+        started = eventlog.now()
         try:
             if op == "pod-attach":
                 reply = self.pods.attach(peer, key, request.get("target"))
@@ -187,7 +203,27 @@ class NodeCache:
             raise Refused(str(exc)) from None
         POD_REQUESTS.labels(op, outcome).inc()
         self._count(f"pod_{outcome}")
+        # A pod's restore (attach, hit), or the two ends of its install (attach
+        # miss, then capture): the cgroup names its container.
+        eventlog.emit(
+            "depsnap.pod",
+            op=op,
+            outcome=outcome,
+            key=key,
+            target=request.get("target"),
+            start=started,
+            end=eventlog.now(),
+            cgroup=eventlog.cgroup_of(peer.pid),
+        )
         return reply
+
+    def mark(self, request: dict[str, Any], peer: linux.Peer | None) -> dict[str, Any]:
+        name = request.get("name", "ready")
+        if not isinstance(name, str) or not 0 < len(name) <= 64:
+            raise BadRequest("a mark's name is 1 to 64 characters")
+        pid = peer.pid if peer is not None else os.getpid()
+        eventlog.emit("mark", name=name, cgroup=eventlog.cgroup_of(pid), caller_pid=pid)
+        return {"ok": True}
 
     def handle(
         self,
@@ -216,6 +252,8 @@ class NodeCache:
                 return self.discard(request), []
             if op == "stats":
                 return self.stats(), []
+            if op == "mark":
+                return self.mark(request, peer() if peer is not None else None), []
             if op in ("pod-attach", "pod-capture"):
                 if peer is None:
                     raise BadRequest(f"{op} needs a caller on the socket")

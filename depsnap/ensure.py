@@ -11,6 +11,7 @@ from pathlib import Path
 
 import structlog
 
+import eventlog
 from depsnap import installer, layout, snapshot
 from depsnap.client import Image, LocalNode, Node
 from depsnap.format import CorruptSnapshot, read_manifest
@@ -110,11 +111,23 @@ def ensure(
     lazy_min_bytes: int | None = None,
 ) -> Outcome:
     started = time.monotonic()
+    started_at = eventlog.now()
     inputs = for_env(request, os.environ, Path.cwd())
     key = compute(inputs)
     target = request.target.absolute()
 
     def done(status: str, detail: str, rc: int = 0) -> Outcome:
+        # A restore on a hit, an install on a miss: `bootseer report` tells them apart by status.
+        eventlog.emit(
+            "depsnap.ensure",
+            status=status,
+            key=key,
+            target=str(target),
+            detail=detail,
+            start=started_at,
+            end=eventlog.now(),
+            cgroup=eventlog.cgroup_of(os.getpid()),
+        )
         return Outcome(status, key, time.monotonic() - started, detail, rc)
 
     if layout.present_key(target) == key and target.exists():

@@ -28,6 +28,7 @@ import structlog
 import trio
 from prometheus_client import Histogram
 
+import eventlog
 from hdfs_fuse import uri as uri_mod
 from hdfs_fuse.backends.interface import Entry
 from hdfs_fuse.pagecache import PageCacheFiller
@@ -57,6 +58,9 @@ class Handle:
     inode: int
     # End of the latest read asked through this handle: where its reader is.
     reach: int = 0
+    # For the event record: when, and by whose cgroup (its container), it was opened.
+    opened_at: float = 0.0
+    cgroup: str = ""
 
 
 @dataclass
@@ -218,7 +222,9 @@ class RemoteFS(pyfuse3.Operations):
             log.warning("open failed", uri=str(node.location), error=str(exc))
             raise _to_fuse_error(exc) from exc
         fh = next(self._next_fh)
-        self._handles[fh] = Handle(reader, reader.new_pattern(), inode)
+        self._handles[fh] = Handle(
+            reader, reader.new_pattern(), inode, opened_at=eventlog.now(), cgroup=eventlog.cgroup_of(ctx.pid)
+        )
         previous = self._opened_versions.get(inode)
         self._opened_versions[inode] = reader.remote.version
         if self.filler is not None:
@@ -293,6 +299,20 @@ class RemoteFS(pyfuse3.Operations):
                 readahead_hit_bytes=stats.readahead_hit_bytes,
                 readahead_waste_bytes=stats.readahead_waste_bytes,
                 pushed_bytes=stats.pushed_bytes,
+            )
+            # One record per file read, at its close: the checkpoint's bytes and throughput.
+            eventlog.emit(
+                "hdfs_fuse.file",
+                uri=handle.reader.uri,
+                served_bytes=stats.served_bytes,
+                fetched_bytes=stats.fetched_bytes,
+                cache_hit_bytes=stats.cache_hit_bytes,
+                retries=stats.retries,
+                hedges=stats.hedges,
+                failures=stats.failures,
+                start=handle.opened_at,
+                end=eventlog.now(),
+                cgroup=handle.cgroup,
             )
 
     def close_all(self) -> None:

@@ -24,6 +24,7 @@ import grpc
 import structlog
 from tqdm import tqdm
 
+import eventlog
 from snapshotter.containerd_client import Blob, ContainerdClient, code_of
 from snapshotter.labels import (
     GC_REF_CONFIG,
@@ -145,6 +146,15 @@ class Puller:
         self.progress = progress
 
     def pull(self, reference: str, platform: str | None = None) -> PullResult:
+        started = eventlog.now()
+        try:
+            result = self._pull(reference, platform, started)
+        except Exception as exc:
+            eventlog.emit("pull", image=reference, start=started, end=eventlog.now(), error=str(exc))
+            raise
+        return result
+
+    def _pull(self, reference: str, platform: str | None, started: float) -> PullResult:
         ref = parse_reference(reference)
         image = self.registry.resolve(ref, platform)
         name = str(ref)
@@ -170,13 +180,37 @@ class Puller:
                 manifest_labels(image),
                 lease,
             )
+            resolved = eventlog.now()
+            layer_times: list[dict[str, object]] = []
             for i, layer in enumerate(layers):
                 bar = LayerProgress(i, len(layers), layer, self.progress)
+                layer_started = eventlog.now()
                 outcome = self._layer(image, i, chains, diff_ids[i], lease, bar)
                 bar.done(outcome.how)
                 log.info("pull.layer", image=name, layer=layer.digest, how=outcome.how, bytes=outcome.fetched_bytes)
                 result.layers.append(outcome)
+                layer_times.append(
+                    {
+                        "layer": layer.digest,
+                        "target": outcome.chain_id,
+                        "how": outcome.how,
+                        "bytes": outcome.fetched_bytes,
+                        "size": layer.size,
+                        "start": layer_started,
+                        "end": eventlog.now(),
+                    }
+                )
             self.containerd.put_image(name, Blob(image.media_type, image.manifest_digest, len(image.manifest_bytes)))
+        # One record for the whole pull: its phases are what `bootseer report` lays end to end.
+        eventlog.emit(
+            "pull",
+            image=name,
+            manifest=image.manifest_digest,
+            start=started,
+            resolved=resolved,
+            end=eventlog.now(),
+            layers=layer_times,
+        )
         return result
 
     def _layer(

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import structlog
 
+import eventlog
 from snapshotter import filters, metrics
 from snapshotter import labels as label_keys
 from snapshotter.errors import (
@@ -98,6 +99,23 @@ class Snapshotter:
         tells containerd to skip the download. Returns only to fall back."""
         assert self.remote is not None
         target = remote.target
+        started = eventlog.now()
+
+        def record(path: str, reason: Reason, error: str = "") -> None:
+            # What `bootseer report` shows for the layer: which path and why.
+            eventlog.emit(
+                "prepare",
+                image_ref=remote.image_ref,
+                manifest=remote.manifest_digest,
+                layer=remote.layer_digest,
+                target=target,
+                path=path,
+                reason=reason.value,
+                error=error,
+                start=started,
+                end=eventlog.now(),
+            )
+
         # containerd finds the snapshot by label and parent; the name only has
         # to be unique, per namespace like the keys containerd sends.
         namespace = key.split("/", 1)[0] if "/" in key else ""
@@ -108,6 +126,7 @@ class Snapshotter:
             chain = [parent_snap, *txn.ancestors(parent_snap)] if parent_snap is not None else []
         if existing is not None and existing.parent == parent:
             _LAYERS[Reason.SERVED].inc()
+            record("lazy", Reason.SERVED)
             raise AlreadyExists(f"target snapshot {target!r} is already served lazily as {name!r}")
         lowers = tuple(self.fs_path(s) for s in chain)
         try:
@@ -117,12 +136,14 @@ class Snapshotter:
         except AlreadyExists:
             # Committed meanwhile by a Prepare of the same layer: served lazily all the same.
             _LAYERS[Reason.SERVED].inc()
+            record("lazy", Reason.SERVED)
             raise
         except Exception as exc:
             # The pull goes on (containerd downloads the layer), but a node
             # that was meant to pull lazily should say that it does not.
             reason = reason_of(exc)
             _LAYERS[reason].inc()
+            record("normal", reason, str(exc))
             log.warning(
                 "layer takes the normal path",
                 target=target,
@@ -135,6 +156,7 @@ class Snapshotter:
             )
             return
         _LAYERS[Reason.SERVED].inc()
+        record("lazy", Reason.SERVED)
         log.info("layer served lazily", target=target, parent=parent, snapshot=name, layer=str(lazy.path))
         raise AlreadyExists(f"target snapshot {target!r} is served lazily as {name!r}")
 
@@ -326,7 +348,11 @@ class Snapshotter:
                     inodes=used.inodes,
                 )
                 txn.put(committed)
-                return committed
+        if key.rsplit("/", 1)[-1].startswith("extract-"):
+            # An unpack containerd did (the normal path): from its Prepare to now.
+            target = name.rsplit("/", 1)[-1]
+            eventlog.emit("unpacked", target=target, start=active.created_ns / 1e9, end=now / 1e9, bytes=used.size)
+        return committed
 
     def remove(self, key: str) -> None:
         with self._write_lock:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bootseer.commands.report import configure_events
 from bootseer.options import EXIT_USAGE, CommandError, add_common_arguments, load_config, override
 from depsnap.settings import DepsnapConfig
 
@@ -20,10 +21,14 @@ STORE_ENV = "BOOTSEER_DEPSNAP_STORE"
 _NODE_FLAGS = ("store", "cache_dir", "cache_max_bytes", "socket")
 
 
-def _settings(args: argparse.Namespace, *flags: str) -> DepsnapConfig:
+def _settings(args: argparse.Namespace, *flags: str, events_as: str = "") -> DepsnapConfig:
     """The [depsnap] config section with $BOOTSEER_DEPSNAP_STORE and then the
-    command's `flags` (each named as its field) applied."""
-    settings = load_config(args).depsnap
+    command's `flags` (each named as its field) applied; with `events_as`,
+    the event log set up under that name."""
+    cfg = load_config(args)
+    if events_as:
+        configure_events(cfg, events_as)
+    settings = cfg.depsnap
     if os.environ.get(STORE_ENV):
         settings.store = os.environ[STORE_ENV]
     override(settings, args, **{flag: flag for flag in flags})
@@ -87,7 +92,7 @@ def _ensure(args: argparse.Namespace) -> int:
     from depsnap.podclient import can_mount
     from depsnap.wire import daemon_answers
 
-    settings = _settings(args, *_NODE_FLAGS, "lazy_min_bytes")
+    settings = _settings(args, *_NODE_FLAGS, "lazy_min_bytes", events_as="depsnap-ensure")
     # A caller that cannot mount (a pod) has the daemon mount for it.
     if args.pod or (not args.no_daemon and not can_mount() and daemon_answers(settings.socket)):
         return _pod_ensure(args, settings)
@@ -171,7 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
     from depsnap.daemon import AlreadyServing, serve
     from depsnap.pods import PodConfigError
 
-    settings = _settings(args, *_NODE_FLAGS, "metrics_address")
+    settings = _settings(args, *_NODE_FLAGS, "metrics_address", events_as="depsnap")
     status = f"serving dependency snapshots on {settings.socket}, node cache in {settings.cache_dir}"
     # An empty metrics host is every interface here, as it always was for depsnap.
     with Daemon("the depsnap daemon", status, settings.metrics_address, default_host="0.0.0.0") as daemon:

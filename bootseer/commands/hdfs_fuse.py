@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bootseer.commands.report import configure_events
 from bootseer.options import CommandError, add_common_arguments, load_config
 from hdfs_fuse.settings import HdfsFuseConfig, parse_bool, parse_size
 
@@ -43,8 +44,10 @@ def _add_tunables(parser: argparse.ArgumentParser, table: tuple[tuple[str, Calla
         parser.add_argument(_flag(name), dest=name, type=kind, help=text)
 
 
-def _settings(args: argparse.Namespace) -> HdfsFuseConfig:
+def _settings(args: argparse.Namespace, events_as: str = "") -> HdfsFuseConfig:
     cfg = load_config(args)
+    if events_as:
+        configure_events(cfg, events_as)
     base = cfg.hdfs_fuse
     overrides = {
         f.name: getattr(args, f.name)
@@ -59,7 +62,7 @@ def _settings(args: argparse.Namespace) -> HdfsFuseConfig:
 def _mount(args: argparse.Namespace) -> int:
     from hdfs_fuse import mount
 
-    settings = _settings(args)
+    settings = _settings(args, events_as="hdfs-fuse" if args.foreground else "")
     if args.foreground:
         from bootseer.daemon import Daemon
         from hdfs_fuse.uri import parse

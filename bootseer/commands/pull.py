@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 
+from bootseer.commands.report import configure_events
 from bootseer.options import CommandError, add_common_arguments, load_config
 from snapshotter.containerd_client import DEFAULT_ADDRESS, ContainerdClient
 from snapshotter.pull import DEFAULT_SNAPSHOTTER, Puller, PullError
@@ -18,6 +19,7 @@ from snapshotter.registry.reference import InvalidReference
 
 def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args)
+    configure_events(cfg, "pull")
     try:
         with (
             client_from_config(cfg.registry, args.plain_http, args.hosts_dir, args.docker_config) as registry,

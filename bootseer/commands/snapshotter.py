@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from bootseer.commands.report import configure_events
 from bootseer.options import EXIT_USAGE, CommandError, add_common_arguments, load_config, override
 from snapshotter.layer.index import DEFAULT_SPAN, MAX_BLOCK_BYTES
 
@@ -21,6 +22,7 @@ def _run(args: argparse.Namespace) -> int:
     override(cfg.fs, args, store="fs_store", mountpoint="fs_mountpoint")
     override(cfg.cri, args, address="cri_address", containerd_address="cri_containerd_address")
     override(cfg.registry, args, cri_credentials="cri_credentials")
+    configure_events(cfg, "snapshotter")
     status = f"serving containerd snapshots on {cfg.snapshotter.address}, state in {cfg.snapshotter.root}"
     if cfg.cri.address:
         status += f"; CRI image service proxy on {cfg.cri.address}"
@@ -48,6 +50,7 @@ def _run_layer_server(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     override(cfg.fs, args, store="store", mountpoint="mountpoint", metrics_address="metrics_address")
     override(cfg.registry, args, cri_credentials="cri_credentials")
+    configure_events(cfg, "layer-server")
     status = f"serving lazily pulled layers on {cfg.fs.mountpoint} from {cfg.fs.store}"
     with Daemon("the layer server", status, cfg.fs.metrics_address) as daemon:
         try:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import contextlib
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+import eventlog
 
 READ_BYTES = Counter("bootseer_fs_read_bytes", "Bytes returned to FUSE reads.")
 BLOCK_READS = Counter(
@@ -181,6 +186,8 @@ class ImageBytes:
 
     def announce(self, image: str, layers: Iterable[str]) -> None:
         """`image` was (re)announced with `layers`."""
+        layers = list(layers)
+        IMAGE_STARTS.announce(image, layers)
         known = self._images.setdefault(image, set())
         known.update(layers)
         self._images.move_to_end(image)
@@ -209,3 +216,175 @@ class ImageBytes:
         if owner is None:
             return
         (IMAGE_PREFETCHED_BYTES if prefetched else IMAGE_FETCHED_BYTES).labels(owner).inc(nbytes)
+        IMAGE_STARTS.fetched(owner, nbytes, prefetched)
+
+
+# -- per-image start records (eventlog) ----------------------------------------
+
+# Wait episodes closer than this are one: a reader's run of misses is one stall.
+EPISODE_GAP_S = 0.05
+# Episodes one summary carries at most; beyond, the closest ones are merged.
+MAX_EPISODES = 128
+READ_RESULTS = ("hit", "prefetched", "prefetch_wait", "miss")
+
+
+class _ImageStart:
+    """What one image's readers met since the layer server first heard of it."""
+
+    __slots__ = (
+        "busy_s",
+        "busy_since",
+        "dirty",
+        "episode",
+        "episodes",
+        "fetched_bytes",
+        "prefetched_blocks",
+        "prefetched_bytes",
+        "reads",
+        "wait_s",
+        "waiting",
+        "waits",
+    )
+
+    def __init__(self) -> None:
+        self.reads = dict.fromkeys(READ_RESULTS, 0)
+        self.fetched_bytes = 0
+        self.prefetched_bytes = 0
+        self.prefetched_blocks = 0
+        self.waits = 0
+        # Summed over readers (two readers waiting 1 s each: 2 s)...
+        self.wait_s = 0.0
+        # ...and the wall time at least one reader waited (1 s): what the start lost.
+        self.busy_s = 0.0
+        self.waiting = 0
+        self.busy_since = 0.0
+        # [start, end] in the records' clock, not yet written.
+        self.episodes: list[list[float]] = []
+        self.episode: list[float] | None = None
+        self.dirty = False
+
+
+class ImageStarts:
+    """Per image (manifest digest): block reads by result, bytes fetched and
+    prefetched, and the stalls of readers waiting on the registry, written
+    to the event log as a cumulative `fs.image` summary every
+    `[events] summary_interval_s` while they change (never per request).
+    Updated from the layer server's event loop only; a flusher thread reads
+    counters (single integer loads) and takes the episodes under a lock."""
+
+    def __init__(self, max_images: int = MAX_IMAGES) -> None:
+        self.max_images = max_images
+        self._images: OrderedDict[str, _ImageStart] = OrderedDict()
+        self._owner: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._flusher: threading.Thread | None = None
+
+    def announce(self, image: str, layers: Iterable[str]) -> None:
+        if image not in self._images:
+            self._images[image] = _ImageStart()
+        self._images.move_to_end(image)
+        for layer in layers:
+            self._owner[layer] = image
+        while len(self._images) > self.max_images:
+            gone, _ = self._images.popitem(last=False)
+            for layer in [k for k, v in self._owner.items() if v == gone]:
+                del self._owner[layer]
+
+    def _of_layer(self, layer: str) -> _ImageStart | None:
+        image = self._owner.get(layer)
+        return None if image is None else self._images.get(image)
+
+    def _touch(self, start: _ImageStart) -> None:
+        start.dirty = True
+        if self._flusher is None and eventlog.enabled():
+            self._flusher = threading.Thread(target=self._flush_loop, name="event-summaries", daemon=True)
+            self._flusher.start()
+            atexit.register(self.flush)
+
+    def read(self, layer: str, result: str) -> None:
+        start = self._of_layer(layer)
+        if start is not None:
+            start.reads[result] += 1
+            self._touch(start)
+
+    def fetched(self, image: str, nbytes: int, prefetched: bool) -> None:
+        start = self._images.get(image)
+        if start is None:
+            return
+        if prefetched:
+            start.prefetched_bytes += nbytes
+            start.prefetched_blocks += 1
+        else:
+            start.fetched_bytes += nbytes
+        self._touch(start)
+
+    def wait_began(self, layer: str) -> None:
+        start = self._of_layer(layer)
+        if start is None:
+            return
+        with self._lock:
+            start.waiting += 1
+            if start.waiting > 1:
+                return
+            now = time.time()
+            start.busy_since = now
+            if start.episode is not None and now - start.episode[1] <= EPISODE_GAP_S:
+                return
+            start.episode = [now, now]
+            start.episodes.append(start.episode)
+
+    def wait_ended(self, layer: str, seconds: float) -> None:
+        start = self._of_layer(layer)
+        if start is None:
+            return
+        with self._lock:
+            if start.waiting == 0:
+                return
+            start.waiting -= 1
+            start.waits += 1
+            start.wait_s += seconds
+            if start.waiting == 0:
+                now = time.time()
+                start.busy_s += now - start.busy_since
+                if start.episode is not None:
+                    start.episode[1] = now
+        self._touch(start)
+
+    def _flush_loop(self) -> None:
+        while True:
+            time.sleep(eventlog.summary_interval())
+            self.flush()
+
+    def flush(self) -> None:
+        """Write a summary of every image that changed since the last one."""
+        for image, start in list(self._images.items()):
+            if not start.dirty:
+                continue
+            start.dirty = False
+            with self._lock:
+                # An episode still open stays for the next summary, which carries its end.
+                still_open = start.episode if start.waiting > 0 else None
+                closed = [e for e in start.episodes if e is not still_open]
+                start.episodes = [still_open] if still_open is not None else []
+                if still_open is None:
+                    start.episode = None
+            while len(closed) > MAX_EPISODES:
+                gaps = [closed[i + 1][0] - closed[i][1] for i in range(len(closed) - 1)]
+                i = gaps.index(min(gaps))
+                closed[i : i + 2] = [[closed[i][0], closed[i + 1][1]]]
+            eventlog.emit(
+                "fs.image",
+                image=image,
+                reads=dict(start.reads),
+                fetched_bytes=start.fetched_bytes,
+                prefetched_bytes=start.prefetched_bytes,
+                prefetched_blocks=start.prefetched_blocks,
+                waits=start.waits,
+                wait_s=round(start.wait_s, 6),
+                stalled_s=round(start.busy_s, 6),
+                waiting=start.waiting,
+                episodes=[[round(a, 6), round(b, 6)] for a, b in closed],
+            )
+
+
+IMAGE_STARTS = ImageStarts()

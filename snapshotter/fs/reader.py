@@ -309,16 +309,19 @@ class LayerReader:
             if n in self.unread_prefetched:
                 self.unread_prefetched.discard(n)
                 metrics.PREFETCH_UNREAD.dec()
-                metrics.BLOCK_READS.labels("prefetched").inc()
+                result = "prefetched"
             else:
-                metrics.BLOCK_READS.labels("hit").inc()
-            return
-        flight = self.inflight.get(n)
-        if flight is not None and flight.origin != Origin.READ:
-            flight.demanded = True
-            metrics.BLOCK_READS.labels("prefetch_wait").inc()
+                result = "hit"
         else:
-            metrics.BLOCK_READS.labels("miss").inc()
+            flight = self.inflight.get(n)
+            if flight is not None and flight.origin != Origin.READ:
+                flight.demanded = True
+                result = "prefetch_wait"
+            else:
+                result = "miss"
+        metrics.BLOCK_READS.labels(result).inc()
+        # Per image, for `bootseer report`'s hit ratio.
+        metrics.IMAGE_STARTS.read(self.index.layer_digest, result)
 
     async def ensure(
         self,
@@ -364,12 +367,15 @@ class LayerReader:
             return await self._wait(to_fetch, waits, origin, deadline, image)
         # A reader waits on the registry: what admins watch for.
         metrics.READ_WAITS.inc()
+        metrics.IMAGE_STARTS.wait_began(self.index.layer_digest)
         began = time.monotonic()
         try:
             return await self._wait(to_fetch, waits, origin, deadline, image)
         finally:
+            waited = time.monotonic() - began
             metrics.READ_WAITS.dec()
-            metrics.READ_WAIT_SECONDS.observe(time.monotonic() - began)
+            metrics.READ_WAIT_SECONDS.observe(waited)
+            metrics.IMAGE_STARTS.wait_ended(self.index.layer_digest, waited)
 
     async def _wait_evictions(self, numbers: range | list[int]) -> None:
         """Until no block in `numbers`, nor a neighbour it shares a page

@@ -12,14 +12,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("bootseer", "snapshotter", "recorder", "depsnap", "hdfs_fuse")
-# Which parts each part may import (itself always).
+PARTS = ("bootseer", "snapshotter", "recorder", "depsnap", "hdfs_fuse", "eventlog")
+# Which parts each part may import (itself always). `eventlog`, the daemons'
+# event records for `bootseer report`, is the bottom: everyone may use it,
+# it uses no part.
 ALLOWED = {
-    "bootseer": {"snapshotter", "recorder", "depsnap", "hdfs_fuse", "proto"},
-    "snapshotter": {"recorder", "hdfs_fuse", "proto"},
-    "recorder": {"snapshotter"},
-    "depsnap": {"hdfs_fuse"},
-    "hdfs_fuse": set(),
+    "bootseer": {"snapshotter", "recorder", "depsnap", "hdfs_fuse", "proto", "eventlog"},
+    "snapshotter": {"recorder", "hdfs_fuse", "proto", "eventlog"},
+    "recorder": {"snapshotter", "eventlog"},
+    "depsnap": {"hdfs_fuse", "eventlog"},
+    "hdfs_fuse": {"eventlog"},
+    "eventlog": set(),
 }
 # The layer server's composition root: the only module of the snapshotter
 # that sees the recorder.
