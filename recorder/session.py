@@ -18,6 +18,8 @@ class RecordingSession:
     accesses: dict[tuple[str, int], float] = field(default_factory=dict)
     last_new: float = 0.0
     stop_requested: bool = False
+    # Asked for (`bootseer record start`): published even where a first run's would not be.
+    explicit: bool = False
 
     def access(self, layer: str, block: int, now: float) -> None:
         if layer in self.layers and (layer, block) not in self.accesses:

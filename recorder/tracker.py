@@ -8,6 +8,16 @@ whole image) by a few workers, adjacent blocks merged into one Range
 request; a reader's miss does not queue behind them (separate fetch slots),
 and a block already on its way is waited for, never fetched twice
 (LayerReader.ensure).
+
+Publishing follows `[fs] hot_blocks_publish` (docs/hot-blocks.md): with
+"elected" a recording reaches the registry only if the image has no
+published manifest and this node wins the image's publish election
+(recorder.election), so a thousand nodes starting a new image push one; with
+"designated" every recording of this node is published; with "never" none
+is. An explicit recording (`bootseer record start`) is published unless the
+mode is "never". Whatever happens, the node keeps its merged manifest
+locally and prefetches from it; a published manifest replaces it on a later
+start.
 """
 
 from __future__ import annotations
@@ -20,9 +30,13 @@ from dataclasses import dataclass, field
 import structlog
 import trio
 
+from recorder import election
 from recorder import manifest as hot
+from recorder import publish as registry_manifests
 from recorder.localstore import LocalManifests
 from recorder.manifest import HotManifest, ManifestError
+from recorder.metrics import ELECTIONS, NOT_PUSHED, PUSHED
+from recorder.publish import Published
 from recorder.session import RecordingSession
 from snapshotter.fs.control import ImageRequest, read_request
 from snapshotter.fs.layers import LayerStore
@@ -30,16 +44,15 @@ from snapshotter.fs.reader import BlockUnavailable, Origin
 from snapshotter.fs.served import ServedLayer
 from snapshotter.layer.blockmath import fetch_runs
 from snapshotter.layer.index import LayerIndex
-from snapshotter.registry import artifact
 from snapshotter.registry.client import RegistryClient
-from snapshotter.registry.media import Descriptor
+from snapshotter.registry.reference import Reference
 from snapshotter.registry.reference import parse as parse_reference
 
 log = structlog.get_logger("bootseer.hotblocks")
 
-# A published manifest may be large; bound what is read of one.
-MAX_MANIFEST_BYTES = 32 << 20
 TICK_S = 0.25
+# `[fs] hot_blocks_publish`.
+PUBLISH_MODES = ("elected", "designated", "never")
 
 
 @dataclass
@@ -80,6 +93,15 @@ class HotBlockSettings:
     idle_s: float
     max_s: float
     prefetch_parallel: int
+    publish: str = "elected"
+    # The length of one publish election round (recorder.election).
+    election_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.publish not in PUBLISH_MODES:
+            raise ValueError(f"[fs] hot_blocks_publish must be one of {', '.join(PUBLISH_MODES)}, not {self.publish!r}")
+        if self.election_s <= 0:
+            raise ValueError("[fs] hot_blocks_election_s must be positive")
 
 
 class HotBlocks:
@@ -139,16 +161,17 @@ class HotBlocks:
             # Record from the first moment: the run's first reads arrive
             # while the manifest is still being looked for, and a recording
             # that turns out not to be wanted is simply dropped.
-            self._start_recording(image, quiet=True)
+            self._start_recording(image, quiet=True, explicit=request.record)
             self._nursery.start_soon(self._decide, image)
             return
         image.request = request
         if image.session is not None:
             image.session.layers.update(request.layers)
             image.session.stop_requested = request.stop
+            image.session.explicit = image.session.explicit or request.record
             image.provisional = image.provisional and not request.record
         elif request.record and not request.stop:
-            self._start_recording(image)
+            self._start_recording(image, explicit=True)
         self._start_prefetches(image)
 
     # -- deciding: prefetch or record ----------------------------------------
@@ -180,26 +203,39 @@ class HotBlocks:
         self._start_prefetches(image)
 
     def _find_manifest(self, request: ImageRequest) -> HotManifest | None:
-        local = self.local.get(request.image)
-        if local is not None:
-            return local
+        """The manifest to prefetch: this node's copy of the published one;
+        else the registry's newest, which replaces a manifest only this node
+        has (it recorded and did not push) once one is published; else that
+        one."""
+        entry = self.local.entry(request.image)
+        if entry is not None and entry.published:
+            return entry.manifest
         try:
-            return self._fetch_published(request)
+            newest = self._newest_published(request)
         except Exception as exc:
             log.warning("no usable hot-block manifest in the registry", image=request.image, error=str(exc))
+            newest = None
+        if newest is None or newest.manifest is None:
+            if entry is not None:
+                log.info("using this node's own hot-block manifest", image=request.image, runs=entry.manifest.runs)
+                return entry.manifest
             return None
+        if entry is not None and newest.digest in entry.includes:
+            return entry.manifest
+        self.local.put(newest.manifest, published=newest.digest, includes=(newest.digest,))
+        if entry is not None:
+            log.info("picked up the published hot-block manifest", image=request.image, artifact=newest.digest)
+        return newest.manifest
 
-    def _fetch_published(self, request: ImageRequest) -> HotManifest | None:
-        ref = parse_reference(request.ref)
-        found = artifact.referrers(self.client, ref, request.image, hot.ARTIFACT_TYPE)
-        if not found or not found[-1].layers:
+    def _newest_published(self, request: ImageRequest) -> Published | None:
+        found = registry_manifests.find(self.client, parse_reference(request.ref), request.image)
+        if not found:
             return None
-        blob = found[-1].layers[0]
-        manifest = HotManifest.decode(self.client.fetch_blob_bytes(ref, blob.digest, limit=MAX_MANIFEST_BYTES))
-        self.local.put(manifest)
-        return manifest
+        if found[-1].manifest is None:
+            log.warning("no usable hot-block manifest in the registry", image=request.image, artifact=found[-1].digest)
+        return found[-1]
 
-    def _start_recording(self, image: _Image, quiet: bool = False) -> None:
+    def _start_recording(self, image: _Image, quiet: bool = False, explicit: bool = False) -> None:
         if image.session is None:
             image.session = RecordingSession(
                 image=image.request.image,
@@ -208,6 +244,7 @@ class HotBlocks:
                 idle_s=self.settings.idle_s,
                 max_s=self.settings.max_s,
                 stop_requested=image.request.stop,
+                explicit=explicit,
             )
             if not quiet:
                 log.info("recording first-run block reads", image=image.request.image)
@@ -301,50 +338,104 @@ class HotBlocks:
                 indexes[layer_digest] = layer.reader.index
         accesses = {k: v for k, v in session.accesses.items() if k[0] in indexes}
         recorded = hot.from_record(session.image, accesses, indexes)
-        merged = await trio.to_thread.run_sync(self._merged, image.request, recorded, indexes)
-        # The node keeps what it learnt whatever the registry says.
-        self.local.put(merged)
         try:
-            await trio.to_thread.run_sync(self._push, image.request, merged)
+            merged, published = await trio.to_thread.run_sync(
+                self._settle, image.request, recorded, indexes, session.explicit
+            )
         except Exception as exc:
-            log.warning("hot-block manifest kept locally; publishing failed", image=session.image, error=str(exc))
+            log.warning("hot-block recording not kept", image=session.image, error=str(exc))
             return
         log.info(
-            "hot-block manifest published",
+            "hot-block manifest published" if published else "hot-block manifest kept on this node",
             image=session.image,
             blocks=len(merged.blocks),
             bytes=merged.total_bytes,
             runs=merged.runs,
+            artifact=published or None,
         )
 
-    def _merged(self, request: ImageRequest, recorded: HotManifest, indexes: dict[str, LayerIndex]) -> HotManifest:
-        """This run merged into what the image already has: its published
-        manifest or, if there is none or the registry cannot be asked, this
-        node's. A stale one is replaced."""
+    def _settle(
+        self, request: ImageRequest, recorded: HotManifest, indexes: dict[str, LayerIndex], explicit: bool
+    ) -> tuple[HotManifest, str]:
+        """This run merged into what the image already has (this node's
+        manifest and the registry's, a stale one left out), published if the
+        policy says so, and kept locally whatever the registry says: the
+        manifest and the artifact it was published as ("" if it was not)."""
+        ref = parse_reference(request.ref)
+
+        def check(manifest: HotManifest) -> None:
+            hot.check(manifest, request.image, indexes | self._indexes_of(manifest, indexes))
+
+        own = recorded
+        includes: tuple[str, ...] = ()
+        entry = self.local.entry(request.image)
+        if entry is not None:
+            try:
+                check(entry.manifest)
+                own, includes = hot.merge(entry.manifest, recorded), entry.includes
+            except ManifestError as exc:
+                log.warning("hot-block manifest is stale; replacing it", image=request.image, reason=str(exc))
+        found: list[Published] | None
         try:
-            existing = self._fetch_published(request)
+            found = registry_manifests.find(self.client, ref, request.image)
         except Exception as exc:
             log.warning("published hot-block manifest unreadable", image=request.image, error=str(exc))
-            existing = None
-        if existing is None:
-            existing = self.local.get(request.image)
-        if existing is None:
-            return recorded
+            found = None
+        combined, includes = registry_manifests.combine(own, found or [], includes, check)
+        merged = combined or recorded
+        published = ""
         try:
-            hot.check(existing, request.image, indexes | self._indexes_of(existing, indexes))
-            return hot.merge(existing, recorded)
-        except ManifestError as exc:
-            log.warning("hot-block manifest is stale; replacing it", image=request.image, reason=str(exc))
-            return recorded
+            reason = self._why_not_publish(request, ref, explicit, found, includes)
+            if reason is None:
+                published = registry_manifests.publish(self.client, ref, request.image, merged, found or [])
+                includes = (*includes, published)
+                PUSHED.inc()
+            elif reason == "failed":
+                NOT_PUSHED.labels(reason).inc()
+                log.warning(
+                    "hot-block manifest kept locally; publishing failed",
+                    image=request.image,
+                    error="the registry's manifests for the image could not be read",
+                )
+            else:
+                NOT_PUSHED.labels(reason).inc()
+                log.info("hot-block manifest not pushed", image=request.image, reason=reason)
+        except Exception as exc:
+            NOT_PUSHED.labels("failed").inc()
+            log.warning("hot-block manifest kept locally; publishing failed", image=request.image, error=str(exc))
+        finally:
+            # After the push, so that `bootseer record stop`, which waits for
+            # the local copy to change, returns once the registry has it.
+            self.local.put(merged, published=published, includes=includes)
+        return merged, published
 
-    def _push(self, request: ImageRequest, manifest: HotManifest) -> None:
-        ref = parse_reference(request.ref)
-        data, media_type, digest = self.client.fetch_manifest(ref.with_digest(request.image))
-        blob = self.client.push_blob(ref, manifest.encode(), media_type=hot.MEDIA_TYPE)
-        subject = Descriptor(media_type, digest, len(data))
-        artifact.push(
-            self.client, ref, subject, hot.ARTIFACT_TYPE, [Descriptor(hot.MEDIA_TYPE, blob.digest, blob.size)]
-        )
+    def _why_not_publish(
+        self,
+        request: ImageRequest,
+        ref: Reference,
+        explicit: bool,
+        found: list[Published] | None,
+        includes: tuple[str, ...],
+    ) -> str | None:
+        """None if this node publishes its manifest now, else why not (the
+        metric's reason). Holds the election when it is this node's turn."""
+        mode = self.settings.publish
+        if mode == "never":
+            return "never"
+        if mode == "designated" or explicit:
+            return None
+        if found is None:
+            return "failed"
+        if any(p.digest in includes for p in found):
+            return "published"
+        outcome, claim = election.run(self.client, ref, request.image, election.current_round(self.settings.election_s))
+        ELECTIONS.labels(outcome.value).inc()
+        log.info("hot-block publish election", image=request.image, outcome=outcome.value)
+        if outcome is not election.Outcome.WON:
+            return str(outcome.value)
+        # Every later contender loses at Y already: X has served its purpose.
+        election.release(self.client, ref, claim)
+        return None
 
     def _indexes_of(self, manifest: HotManifest, known: dict[str, LayerIndex]) -> dict[str, LayerIndex]:
         """Indexes of layers a manifest names that this recording did not read."""

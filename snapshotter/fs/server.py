@@ -115,7 +115,13 @@ def serve(
             ops.layer_for_digest,
             client,
             local,
-            HotBlockSettings(fs.record_idle_s, fs.record_max_s, fs.prefetch_parallel),
+            HotBlockSettings(
+                fs.record_idle_s,
+                fs.record_max_s,
+                fs.prefetch_parallel,
+                fs.hot_blocks_publish,
+                fs.hot_blocks_election_s,
+            ),
         )
         if fs.hot_blocks
         else None

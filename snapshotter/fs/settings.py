@@ -40,6 +40,14 @@ class FsConfig:
     record_max_s: float = 300.0
     # Parallel Range requests of the hot-block prefetcher (per image).
     prefetch_parallel: int = 4
+    # Who pushes a recording to the registry (docs/hot-blocks.md): "elected"
+    # (the one node that wins the image's publish election, and only while
+    # the image has no manifest), "designated" (this node, every recording)
+    # or "never" (kept on this node). An election round lasts
+    # hot_blocks_election_s: an image whose winner never published gets
+    # another election in the next round.
+    hot_blocks_publish: str = "elected"
+    hot_blocks_election_s: float = 3600.0
     # Fetch every served layer whole in the background, at most
     # background_bandwidth bytes/s, pausing while readers wait on fetches.
     background_fetch: bool = False

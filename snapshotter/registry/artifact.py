@@ -45,10 +45,18 @@ def push(
 def referrers(client: RegistryClient, ref: Reference, subject_digest: str, artifact_type: str) -> list[Manifest]:
     """The artifacts of `artifact_type` attached to `subject_digest`, oldest
     first, each fetched by digest and checked to really name that subject."""
+    return [parsed for _, parsed in listed(client, ref, subject_digest, artifact_type)]
+
+
+def listed(
+    client: RegistryClient, ref: Reference, subject_digest: str, artifact_type: str
+) -> list[tuple[str, Manifest]]:
+    """`referrers` with each artifact's manifest digest, which deleting or
+    superseding it needs."""
     found = []
     for desc in client.referrers(ref, subject_digest, artifact_type=artifact_type):
         data, media_type, _ = client.fetch_manifest(ref.with_digest(desc.digest))
         parsed = media.parse(data, media_type)
         if isinstance(parsed, Manifest) and parsed.subject is not None and parsed.subject.digest == subject_digest:
-            found.append(parsed)
+            found.append((desc.digest, parsed))
     return found

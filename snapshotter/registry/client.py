@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -122,11 +122,14 @@ class RegistryClient:
 
     # -- manifests ----------------------------------------------------------
 
-    def fetch_manifest(self, ref: Reference) -> tuple[bytes, str, str]:
+    def fetch_manifest(self, ref: Reference, *, capability: str | None = None) -> tuple[bytes, str, str]:
         """(bytes, media type, digest) of the manifest or index `ref` names.
         A digest in `ref` is verified; for a tag, the registry's
-        Docker-Content-Digest (if any) must match what we received."""
-        capability = "pull" if ref.digest else "resolve"
+        Docker-Content-Digest (if any) must match what we received.
+        `capability="push"` reads from the hosts that take pushes (the
+        registry itself, never a caching mirror): what a read-modify-write
+        of a tag must see."""
+        capability = capability or ("pull" if ref.digest else "resolve")
 
         def call(endpoint: Endpoint) -> tuple[bytes, str, str]:
             response = self.transport.send(
@@ -202,6 +205,27 @@ class RegistryClient:
     def push_manifest(self, ref: Reference, data: bytes, media_type: str, tag: str | None = None) -> str:
         """Push a manifest under `tag`, or by digest when `tag` is None; returns its digest."""
         return self._put_manifest(ref, data, media_type, tag or media.digest_of(data))[0]
+
+    def delete_manifest(self, ref: Reference, digest: str) -> bool:
+        """Delete manifest `digest` (and, in distribution, the tags naming it).
+        True once it is gone (a 404 included); False if the registry does
+        not allow deletes (distribution without `storage: delete: enabled`
+        answers 405 UNSUPPORTED; a 403 is an account without delete rights)."""
+        media.check_digest(digest)
+
+        def call(endpoint: Endpoint) -> bool:
+            response = self.transport.send(
+                Request(endpoint, ref, "DELETE", f"/{ref.repository}/manifests/{digest}", actions="pull,push,delete")
+            )
+            if response.status_code in (200, 202, 204, 404):
+                response.close()
+                return True
+            if response.status_code in (403, 405):
+                response.close()
+                return False
+            raise unexpected(response, f"deleting manifest {digest}", ref)
+
+        return self.transport.over_endpoints(ref, "push", call)
 
     # -- blobs --------------------------------------------------------------
 
@@ -418,3 +442,32 @@ class RegistryClient:
         updated = Index(media.OCI_INDEX, (*existing.manifests, entry), existing.annotations)
         self.push_manifest(ref, updated.to_bytes(), media.OCI_INDEX, tag=tag)
         return digest
+
+    def referrers_index_digest(self, ref: Reference, subject_digest: str) -> str | None:
+        """The digest of the `sha256-<hex>` tag fallback index of
+        `subject_digest` as the registry itself holds it; None if there is none."""
+        try:
+            return self.fetch_manifest(ref.with_tag(referrers_tag(subject_digest)), capability="push")[2]
+        except NotFound:
+            return None
+
+    def remove_referrers(self, ref: Reference, subject_digest: str, digests: Collection[str]) -> str | None:
+        """Drop `digests` from the `sha256-<hex>` tag fallback index of
+        `subject_digest`, keeping every other entry (a registry with the
+        referrers API drops a deleted manifest from its listing by itself).
+        Returns the index's digest afterwards, None if there is no index.
+        Like every tag update, a read-modify-write: the caller bounds who
+        writes it at the same time."""
+        tag = referrers_tag(subject_digest)
+        try:
+            data, index_type, current = self.fetch_manifest(ref.with_tag(tag), capability="push")
+        except NotFound:
+            return None
+        existing = media.parse(data, index_type)
+        if not isinstance(existing, Index):
+            raise ServerError.at(ref, f"tag {tag} exists but is not an image index; it cannot hold referrers")
+        kept = tuple(d for d in existing.manifests if d.digest not in digests)
+        if len(kept) == len(existing.manifests):
+            return current
+        updated = Index(media.OCI_INDEX, kept, existing.annotations)
+        return self.push_manifest(ref, updated.to_bytes(), media.OCI_INDEX, tag=tag)

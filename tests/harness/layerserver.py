@@ -32,6 +32,8 @@ class LazyConfig:
     hot_blocks: bool = True
     # Off in tests, which measure what reads alone fetch.
     whole_layer_bytes: int = 0
+    # [fs] hot_blocks_publish: "elected" (the code default), "designated", "never".
+    hot_blocks_publish: str = "elected"
 
     @property
     def path(self) -> Path:
@@ -84,6 +86,7 @@ record_idle_s = {self.record_idle_s}
 hot_blocks = {str(self.hot_blocks).lower()}
 record_max_s = {self.record_max_s}
 whole_layer_bytes = {self.whole_layer_bytes}
+hot_blocks_publish = "{self.hot_blocks_publish}"
 
 [registry]
 config_path = "{self.certs_dir}"

@@ -159,3 +159,37 @@ def cached_blob(cache: Registry, digest: str) -> bool:
     algorithm, _, hex_part = digest.partition(":")
     data = cache.workdir / "storage" / "docker" / "registry" / "v2" / "blobs" / algorithm / hex_part[:2] / hex_part
     return (data / "data").is_file()
+
+
+def _v2(registry: Registry) -> Path:
+    return registry.workdir / "storage" / "docker" / "registry" / "v2"
+
+
+def _blob(registry: Registry, hex_part: str) -> Path:
+    return _v2(registry) / "blobs" / "sha256" / hex_part[:2] / hex_part / "data"
+
+
+def stored_manifests(registry: Registry, repository: str) -> dict[str, bytes]:
+    """The manifests `repository` holds now, by digest, read from the
+    registry's storage (a deleted manifest loses its revision link)."""
+    revisions = _v2(registry) / "repositories" / repository / "_manifests" / "revisions" / "sha256"
+    if not revisions.is_dir():
+        return {}
+    return {
+        f"sha256:{d.name}": _blob(registry, d.name).read_bytes()
+        for d in sorted(revisions.iterdir())
+        if (d / "link").is_file()
+    }
+
+
+def uploaded_hot_manifests(registry: Registry, image: str) -> int:
+    """How many distinct hot-block manifests of `image` were ever uploaded:
+    their blobs stay in storage after their artifacts are deleted (until a
+    garbage collection), so this counts pushes whatever was pruned since."""
+    prefix = json.dumps({"version": 1, "image": image}, separators=(",", ":"))[:-1].encode()
+    blobs = _v2(registry) / "blobs" / "sha256"
+    count = 0
+    for data in blobs.glob("*/*/data") if blobs.is_dir() else ():
+        with open(data, "rb") as f:
+            count += f.read(len(prefix)) == prefix
+    return count

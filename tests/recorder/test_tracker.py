@@ -418,3 +418,27 @@ def test_requested_recording_is_merged_into_the_local_manifest_when_publishing_f
     merged = node.local.get(IMAGE)
     assert merged is not None and merged.runs == 4
     assert set(blocks_of(merged)) == {(node.digests[0], 1), (node.digests[1], 2), (node.digests[0], 6)}
+
+
+def test_a_node_that_never_publishes_keeps_its_recording_and_asks_no_election(
+    make_node: Callable[..., Node],
+) -> None:
+    """[fs] hot_blocks_publish = "never": the recording is kept locally as
+    this node's own (not published), and no election or push is tried."""
+    node = make_node(layers=1, idle_s=0.3)
+    node.hot.settings.publish = "never"
+
+    async def body(node: Node) -> None:
+        await announce(node)
+        await wait_for("a recording to start", lambda: recording(node))
+        await read_block(node, 0, 3)
+        await wait_for("the recorded manifest", lambda: node.local.get(IMAGE))
+
+    with structlog.testing.capture_logs() as logs:
+        run(node, body)
+
+    entry = node.local.entry(IMAGE)
+    assert entry is not None and entry.published == "" and blocks_of(entry.manifest) == [(node.digests[0], 3)]
+    not_pushed = [e for e in logs if e["event"] == "hot-block manifest not pushed"]
+    assert [e["reason"] for e in not_pushed] == ["never"]
+    assert "hot-block publish election" not in [e["event"] for e in logs]
