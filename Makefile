@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PROTOS := $(shell find proto -name '*.proto' | sort)
 
-.PHONY: setup proto lint demo test test-unit bench bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss clean
+.PHONY: setup proto lint demo test test-unit bench bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss bench-failover clean
 
 setup:
 	@scripts/setup.sh
@@ -30,7 +30,7 @@ test: lint
 test-unit: setup
 	$(PY) -m pytest -ra -m "not integration" $(PYTEST_ARGS)
 
-bench: bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss
+bench: bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss bench-failover
 
 bench-snapshots: setup
 	$(PY) -m bench.snapshots_latency
@@ -49,6 +49,9 @@ bench-depsnap: setup
 
 bench-rss: setup
 	$(PY) -m bench.layer_rss
+
+bench-failover: setup
+	$(PY) -m bench.failover
 
 clean:
 	rm -rf .venv build *.egg-info

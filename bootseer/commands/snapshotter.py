@@ -44,17 +44,29 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_layer_server(args: argparse.Namespace) -> int:
-    from bootseer.daemon import Daemon
-    from snapshotter.fs.server import MountpointBusy, serve
+    from bootseer.daemon import Daemon, Notifier
+    from snapshotter.fs.server import MountpointBusy, release, serve
 
     cfg = load_config(args)
     override(cfg.fs, args, store="store", mountpoint="mountpoint", metrics_address="metrics_address")
+    override(cfg.fs, args, holder_socket="holder_socket")
     override(cfg.registry, args, cri_credentials="cri_credentials")
+    if args.release:
+        release(cfg.fs, Notifier.from_environment().send)
+        print(f"released the layer mount at {cfg.fs.mountpoint}")
+        return 0
     configure_events(cfg, "layer-server")
     status = f"serving lazily pulled layers on {cfg.fs.mountpoint} from {cfg.fs.store}"
     with Daemon("the layer server", status, cfg.fs.metrics_address) as daemon:
         try:
-            serve(cfg.fs, cfg.registry, on_started=daemon.started, on_ready=daemon.ready, on_stopping=daemon.stopping)
+            serve(
+                cfg.fs,
+                cfg.registry,
+                on_started=daemon.started,
+                on_ready=daemon.ready,
+                on_stopping=daemon.stopping,
+                notify=daemon.notifier.send,
+            )
         except MountpointBusy as exc:
             raise CommandError(str(exc)) from None
     return 0
@@ -153,13 +165,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=(
             "Mount the FUSE layer server: every layer in the layer store appears as a "
             "directory of the mount, its blocks fetched from the registry on first read. "
-            "Runs apart from the snapshotter so that restarting it leaves containers alone."
+            "Runs apart from the snapshotter so that restarting it leaves containers alone, and "
+            "the mount outlives it: a new layer server takes the same mount over after a crash or a "
+            "restart (docs/fuse-failover.md)."
         ),
     )
     add_common_arguments(layers)
     layers.add_argument("--store", type=Path, help="layer store directory")
     layers.add_argument("--mountpoint", type=Path, help="where to mount")
     layers.add_argument("--metrics-address", help="host:port for Prometheus metrics; empty: off")
+    layers.add_argument(
+        "--holder-socket",
+        type=Path,
+        help="where the descriptor holder keeps the mount's connection when no service manager does",
+    )
+    layers.add_argument(
+        "--release",
+        action="store_true",
+        help="the final stop: unmount the layer mount and let its descriptor holder go "
+        "(a SIGTERM to the server leaves the mount for the next one)",
+    )
     _add_cri_credentials(layers)
     layers.set_defaults(func=_run_layer_server)
 

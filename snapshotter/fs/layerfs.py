@@ -1,4 +1,4 @@
-"""The pyfuse3 filesystem: the mount's root lists every layer in the layer
+"""The layer mount's filesystem: the mount's root lists every layer in the layer
 store by name; each layer directory is that layer's tree, read-only.
 
 Inode numbers: the mount root is 1; a layer copy given slot S owns inodes
@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-import pyfuse3
 import structlog
 import trio
 
+from snapshotter.fs import fusewire as fuse
 from snapshotter.fs import metrics
 from snapshotter.fs.background import BackgroundFetch
 from snapshotter.fs.blockindex import BlockIndex
@@ -127,7 +127,7 @@ class _Layer:
     tree: LayerTree
     reader: LayerReader
     store: LayerStore
-    root_attr: pyfuse3.EntryAttributes
+    root_attr: fuse.EntryAttributes
     # The parent of every directory but the layer's root, for "..".
     parents: dict[int, int]
     broken: bool = False
@@ -153,9 +153,9 @@ class _Layer:
 def _guarded(
     op: Callable[Concatenate[LayerFS, _P], Coroutine[Any, Any, _R]],
 ) -> Callable[Concatenate[LayerFS, _P], Coroutine[Any, Any, _R]]:
-    """A FUSE handler whose unexpected errors answer EIO: pyfuse3 ends its
-    main loop, and with it the whole mount, on anything but a FUSEError.
-    Only Exception is caught: cancellation (trio.Cancelled, alone or in a
+    """A FUSE handler whose unexpected errors answer EIO and mark the
+    request's layer broken, with a log line and a metric (the engine would
+    answer EIO too, but knows nothing of layers). Only Exception is caught: cancellation (trio.Cancelled, alone or in a
     BaseExceptionGroup) and KeyboardInterrupt must reach trio. Timed,
     errors and all, into the op's histogram, resolved here once: the clock
     and the count cost about 0.25 us a request (a prometheus_client
@@ -166,11 +166,11 @@ def _guarded(
         began = _clock_ns()
         try:
             return await op(self, *args, **kwargs)
-        except pyfuse3.FUSEError:
+        except fuse.FUSEError:
             raise
         except Exception as exc:
             self._request_failed(op.__name__, args, exc)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            raise fuse.FUSEError(errno.EIO) from None
         finally:
             times.observe_ns(_clock_ns() - began)
 
@@ -181,8 +181,8 @@ def _guarded(
 def _guarded_forget(
     op: Callable[[LayerFS, Sequence[tuple[int, int]]], Coroutine[Any, Any, None]],
 ) -> Callable[[LayerFS, Sequence[tuple[int, int]]], Coroutine[Any, Any, None]]:
-    """forget has no reply: pyfuse3 awaits it bare, so any error there, even
-    a FUSEError, would end the main loop."""
+    """forget has no reply: any error there, even a FUSEError, is only
+    logged and counted."""
     times = metrics.OP_SECONDS.labels(op.__name__)
 
     async def handler(self: LayerFS, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -199,17 +199,17 @@ def _guarded_forget(
 
 
 def _reply_dots(
-    token: pyfuse3.ReaddirToken, start_id: int, this: pyfuse3.EntryAttributes, parent: pyfuse3.EntryAttributes
+    token: fuse.ReaddirToken, start_id: int, this: fuse.EntryAttributes, parent: fuse.EntryAttributes
 ) -> bool:
     for n, (name, attr) in enumerate(((b".", this), (b"..", parent))[start_id:], start_id + 1):
-        if not pyfuse3.readdir_reply(token, name, attr, n):
+        if not fuse.readdir_reply(token, name, attr, n):
             return False
     return True
 
 
-def entry_attributes(slot: int, node: Node) -> pyfuse3.EntryAttributes:
+def entry_attributes(slot: int, node: Node) -> fuse.EntryAttributes:
     """The stat the kernel gets for `node` of the layer in `slot`."""
-    attr = pyfuse3.EntryAttributes()
+    attr = fuse.EntryAttributes()
     attr.st_ino = (slot << SLOT_SHIFT) | node.ino
     attr.generation = 0
     attr.entry_timeout = TIMEOUT
@@ -227,7 +227,7 @@ def entry_attributes(slot: int, node: Node) -> pyfuse3.EntryAttributes:
     return attr
 
 
-class LayerFS(pyfuse3.Operations):
+class LayerFS(fuse.Operations):
     def __init__(
         self,
         store: LayerStore,
@@ -303,7 +303,7 @@ class LayerFS(pyfuse3.Operations):
     async def layer_for_digest(self, digest: str) -> _Layer | None:
         try:
             return await self._layer(layer_name(digest))
-        except pyfuse3.FUSEError:
+        except fuse.FUSEError:
             # A broken copy: nothing to prefetch into or record from.
             return None
 
@@ -339,7 +339,7 @@ class LayerFS(pyfuse3.Operations):
                 if layer is None or layer.generation != generation:
                     layer = await self._load_copy(name, generation)
         if layer.broken:
-            raise pyfuse3.FUSEError(errno.EIO)
+            raise fuse.FUSEError(errno.EIO)
         return layer
 
     async def _load_copy(self, name: str, generation: str) -> _Layer:
@@ -347,7 +347,7 @@ class LayerFS(pyfuse3.Operations):
         # tracker), and a hostile index may be costly to decode: a copy that
         # cannot be loaded is remembered, not tried on every lookup.
         if self.unloadable.get(name) == generation:
-            raise pyfuse3.FUSEError(errno.EIO)
+            raise fuse.FUSEError(errno.EIO)
         try:
             layer = await trio.to_thread.run_sync(self._load, name)
             self._register(layer)
@@ -360,7 +360,7 @@ class LayerFS(pyfuse3.Operations):
                 error=repr(exc),
                 exc_info=exc,
             )
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            raise fuse.FUSEError(errno.EIO) from None
         if layer.reader.index.compressed_size <= self.whole_layer_bytes:
             trio.lowlevel.spawn_system_task(self._fetch_whole, layer)
         elif self.background is not None:
@@ -436,9 +436,9 @@ class LayerFS(pyfuse3.Operations):
             layer = await self._reload(slot)
         node = layer.tree.nodes.get(inode & ((1 << SLOT_SHIFT) - 1))
         if node is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise fuse.FUSEError(errno.ENOENT)
         if layer.broken:
-            raise pyfuse3.FUSEError(errno.EIO)
+            raise fuse.FUSEError(errno.EIO)
         layer.touched = True
         return layer, node
 
@@ -448,10 +448,10 @@ class LayerFS(pyfuse3.Operations):
         longer holds that copy (pruned, or replaced by another)."""
         copy = self.unloaded.get(slot)
         if copy is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise fuse.FUSEError(errno.ENOENT)
         layer = await self._layer(copy[0])
         if layer is None or layer.slot != slot:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise fuse.FUSEError(errno.ENOENT)
         log.debug("layer reloaded for a request on its inodes", layer=layer.name, slot=slot)
         return layer
 
@@ -571,9 +571,9 @@ class LayerFS(pyfuse3.Operations):
 
     # -- attributes ---------------------------------------------------------
 
-    def _root_attr(self) -> pyfuse3.EntryAttributes:
-        attr = pyfuse3.EntryAttributes()
-        attr.st_ino = pyfuse3.ROOT_INODE
+    def _root_attr(self) -> fuse.EntryAttributes:
+        attr = fuse.EntryAttributes()
+        attr.st_ino = fuse.ROOT_INODE
         attr.st_mode = stat.S_IFDIR | 0o755
         attr.st_nlink = 2
         attr.st_blksize = BLOCK_SIZE
@@ -583,17 +583,17 @@ class LayerFS(pyfuse3.Operations):
         return attr
 
     @_guarded
-    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
-        if inode == pyfuse3.ROOT_INODE:
+    async def getattr(self, inode: int, ctx: fuse.RequestContext | None = None) -> fuse.EntryAttributes:
+        if inode == fuse.ROOT_INODE:
             return self._root_attr()
         layer, node = await self._resolve(inode)
         return entry_attributes(layer.slot, node)
 
     @_guarded
     async def lookup(
-        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
-    ) -> pyfuse3.EntryAttributes:
-        if parent_inode == pyfuse3.ROOT_INODE:
+        self, parent_inode: int, name: bytes, ctx: fuse.RequestContext | None = None
+    ) -> fuse.EntryAttributes:
+        if parent_inode == fuse.ROOT_INODE:
             text = os.fsdecode(name)
             if text.startswith(CONTROL_PREFIX):
                 # A control lookup: the snapshotter or `bootseer record` wrote
@@ -606,17 +606,17 @@ class LayerFS(pyfuse3.Operations):
                     self.image_bytes.announce(request.image, request.layers)
                 if self.events is not None:
                     await self.events.notify(image, request)
-                raise pyfuse3.FUSEError(errno.ENOENT)
+                raise fuse.FUSEError(errno.ENOENT)
             layer = await self._layer(text)
             if layer is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
+                raise fuse.FUSEError(errno.ENOENT)
             return layer.root_attr
         layer, node = await self._resolve(parent_inode)
         if name == b".":
             return entry_attributes(layer.slot, node)
         child = layer.tree.lookup(node.ino, name)
         if child is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise fuse.FUSEError(errno.ENOENT)
         return entry_attributes(layer.slot, child)
 
     @_guarded_forget
@@ -627,14 +627,14 @@ class LayerFS(pyfuse3.Operations):
     # -- directories --------------------------------------------------------
 
     @_guarded
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        if inode != pyfuse3.ROOT_INODE and not (await self._resolve(inode))[1].is_dir:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
+    async def opendir(self, inode: int, ctx: fuse.RequestContext) -> int:
+        if inode != fuse.ROOT_INODE and not (await self._resolve(inode))[1].is_dir:
+            raise fuse.FUSEError(errno.ENOTDIR)
         return inode
 
     @_guarded
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        if fh == pyfuse3.ROOT_INODE:
+    async def readdir(self, fh: int, start_id: int, token: fuse.ReaddirToken) -> None:
+        if fh == fuse.ROOT_INODE:
             root = self._root_attr()
             if start_id < DOTS and not _reply_dots(token, start_id, root, root):
                 return
@@ -642,12 +642,12 @@ class LayerFS(pyfuse3.Operations):
             for n, name in enumerate(names[max(start_id - DOTS, 0) :], max(start_id, DOTS) + 1):
                 try:
                     layer = await self._layer(name)
-                except pyfuse3.FUSEError:
+                except fuse.FUSEError:
                     # A broken copy is left out; looking it up answers EIO.
                     continue
                 if layer is None:
                     continue
-                if not pyfuse3.readdir_reply(token, name.encode(), layer.root_attr, n):
+                if not fuse.readdir_reply(token, name.encode(), layer.root_attr, n):
                     return
             return
         layer, node = await self._resolve(fh)
@@ -658,7 +658,7 @@ class LayerFS(pyfuse3.Operations):
                 return
         entries = sorted((node.children or {}).items())
         for n, (child, ino) in enumerate(entries[max(start_id - DOTS, 0) :], max(start_id, DOTS) + 1):
-            if not pyfuse3.readdir_reply(token, child, entry_attributes(layer.slot, layer.tree.nodes[ino]), n):
+            if not fuse.readdir_reply(token, child, entry_attributes(layer.slot, layer.tree.nodes[ino]), n):
                 return
 
     @_guarded
@@ -668,20 +668,20 @@ class LayerFS(pyfuse3.Operations):
     # -- files --------------------------------------------------------------
 
     @_guarded
-    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+    async def readlink(self, inode: int, ctx: fuse.RequestContext) -> bytes:
         _, node = await self._resolve(inode)
         if not stat.S_ISLNK(node.mode):
-            raise pyfuse3.FUSEError(errno.EINVAL)
+            raise fuse.FUSEError(errno.EINVAL)
         return node.target
 
     @_guarded
-    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+    async def open(self, inode: int, flags: int, ctx: fuse.RequestContext) -> fuse.FileInfo:
         _, node = await self._resolve(inode)
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
-            raise pyfuse3.FUSEError(errno.EROFS)
+            raise fuse.FUSEError(errno.EROFS)
         if not stat.S_ISREG(node.mode):
-            raise pyfuse3.FUSEError(errno.EINVAL)
-        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+            raise fuse.FUSEError(errno.EINVAL)
+        return fuse.FileInfo(fh=inode, keep_cache=True)
 
     @_guarded
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -692,7 +692,7 @@ class LayerFS(pyfuse3.Operations):
         try:
             return await layer.reader.read(node.offset + off, node.offset + off + length, node.offset + node.size)
         except BlockUnavailable:
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            raise fuse.FUSEError(errno.EIO) from None
 
     @_guarded
     async def release(self, fh: int) -> None:
@@ -701,24 +701,24 @@ class LayerFS(pyfuse3.Operations):
     # -- xattrs and statfs --------------------------------------------------
 
     @_guarded
-    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        if inode == pyfuse3.ROOT_INODE:
-            raise pyfuse3.FUSEError(errno.ENODATA)
+    async def getxattr(self, inode: int, name: bytes, ctx: fuse.RequestContext) -> bytes:
+        if inode == fuse.ROOT_INODE:
+            raise fuse.FUSEError(errno.ENODATA)
         _, node = await self._resolve(inode)
         value = node.xattrs.get(os.fsdecode(name))
         if value is None:
-            raise pyfuse3.FUSEError(errno.ENODATA)
+            raise fuse.FUSEError(errno.ENODATA)
         return value
 
     @_guarded
-    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        if inode == pyfuse3.ROOT_INODE:
+    async def listxattr(self, inode: int, ctx: fuse.RequestContext) -> list[bytes]:
+        if inode == fuse.ROOT_INODE:
             return []
         _, node = await self._resolve(inode)
         return [os.fsencode(k) for k in node.xattrs]
 
     @_guarded
-    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+    async def statfs(self, ctx: fuse.RequestContext) -> fuse.StatvfsData:
         """The layer store's filesystem, where every lazily served byte is
         cached: kubelet's view of the image filesystem (capacity, free
         space, inodes) and its image garbage collection go by it. In a
@@ -739,15 +739,15 @@ class LayerFS(pyfuse3.Operations):
         if self.statfs_error is not None:
             log.info("the layer store's filesystem answers statfs again", store=str(self.store.root))
             self.statfs_error = None
-        data = pyfuse3.StatvfsData()
+        data = fuse.StatvfsData()
         data.f_bsize, data.f_frsize = st.f_bsize, st.f_frsize
         data.f_blocks, data.f_bfree, data.f_bavail = st.f_blocks, st.f_bfree, st.f_bavail
         data.f_files, data.f_ffree, data.f_favail = st.f_files, st.f_ffree, st.f_favail
         data.f_namemax = st.f_namemax
         return data
 
-    def _layers_statfs(self) -> pyfuse3.StatvfsData:
-        data = pyfuse3.StatvfsData()
+    def _layers_statfs(self) -> fuse.StatvfsData:
+        data = fuse.StatvfsData()
         total = sum(layer.reader.index.uncompressed_size for layer in self.layers_by_slot.values())
         data.f_bsize = data.f_frsize = BLOCK_SIZE
         data.f_blocks = total // BLOCK_SIZE

@@ -1,23 +1,27 @@
 """The FUSE layer server process (`bootseer layer-server`).
 
 It runs apart from the snapshotter so that restarting the snapshotter leaves
-the mount, and every running container's lower layers, in place. The
-application serves its metrics and health endpoint (`[fs] metrics_address`)
-and tells the service manager about readiness, through the callbacks `serve`
-takes.
+the mount, and every running container's lower layers, in place. And the
+mount outlives the layer server itself: it speaks the FUSE protocol on the
+connection's descriptor (fs/fusewire), which systemd's descriptor store or a
+holder process keeps, so a crash, an OOM kill or a restart hands the same
+connection to the next server, which takes over without a new INIT and asks
+the kernel to resend what the dead one left unanswered
+(docs/fuse-failover.md). SIGTERM is a restart: the server stops reading,
+answers what it read and exits, leaving the mount; `release` is the final
+stop. The application serves its metrics and health endpoint (`[fs]
+metrics_address`) and tells the service manager about readiness, through
+the callbacks `serve` takes.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import pyfuse3
 import structlog
 import trio
 
@@ -25,6 +29,11 @@ from hdfs_fuse.mount import MountProbe, set_kernel_readahead
 from recorder.localstore import LocalManifests
 from recorder.tracker import HotBlocks, HotBlockSettings
 from snapshotter.fs.blockindex import BlockIndex
+from snapshotter.fs.fusewire import connection, handoff
+from snapshotter.fs.fusewire.connection import Connection, MountpointBusy
+from snapshotter.fs.fusewire.handoff import Notify
+from snapshotter.fs.fusewire.mount import MountOptions, unmount
+from snapshotter.fs.fusewire.session import Session
 from snapshotter.fs.layerfs import LayerFS
 from snapshotter.fs.layers import LayerSource, LayerStore
 from snapshotter.fs.reader import BoundedFetcher, RangeFetcher
@@ -36,28 +45,14 @@ from snapshotter.registry.settings import RegistryConfig
 log = structlog.get_logger("bootseer.fs")
 
 KERNEL_READAHEAD = 8 << 20
-MOUNT_OPTIONS = ("fsname=bootseer", "subtype=bootseer", "ro", "allow_other", "default_permissions")
-FSTYPE = "fuse.bootseer"
+MOUNT = MountOptions(fsname="bootseer", subtype="bootseer")
+FSTYPE = MOUNT.fstype
+# How often the server checks that the holder still keeps the connection.
+KEEPER_CHECK_S = 5.0
+# A graceful stop answers the requests already read for at most this long.
+DRAIN_S = 10.0
 
-
-class MountpointBusy(Exception):
-    """Another filesystem (most likely another layer server) holds the mountpoint."""
-
-
-def _clear_stale_mount(mountpoint: Path) -> None:
-    """A killed server leaves its mount behind, answering ENOTCONN; detach it."""
-    try:
-        os.stat(mountpoint)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        if exc.errno != errno.ENOTCONN:
-            raise
-        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False, capture_output=True)
-        log.warning("detached a stale mount", mountpoint=str(mountpoint))
-        return
-    if os.path.ismount(mountpoint):
-        raise MountpointBusy(f"{mountpoint} is already mounted: is another layer server running?")
+__all__ = ["MountpointBusy", "release", "serve"]
 
 
 # The event loop answers the kernel while worker threads load layer indexes
@@ -73,13 +68,18 @@ def serve(
     on_started: Callable[[Callable[[], str | None]], None] = lambda _health: None,
     on_ready: Callable[[], None] = lambda: None,
     on_stopping: Callable[[], None] = lambda: None,
+    notify: Notify | None = None,
 ) -> None:
-    """Mount and serve until SIGTERM or SIGINT.
+    """Take the layer mount over (or mount it) and serve until SIGTERM or
+    SIGINT, which leave it for the next server.
 
     `on_started(health)` once mounted (`health()`: None while the mount
     answers a stat and a statfs within 2 s, else why not); `on_ready()` once
-    the kernel's INIT is answered and the mount answers; `on_stopping()` when
-    a signal starts the shutdown."""
+    the kernel's INIT is answered (or the connection taken over) and the
+    mount answers; `on_stopping()` when a signal starts the shutdown.
+    `notify` reaches the service manager (sd_notify with descriptors), whose
+    descriptor store then keeps the connection; without one, the holder at
+    `[fs] holder_socket` does."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     store = LayerStore(fs.store)
     block_index = BlockIndex(store.block_index_path)
@@ -127,57 +127,105 @@ def serve(
         else None
     )
     ops.events = hot
-    _clear_stale_mount(fs.mountpoint)
-    fs.mountpoint.mkdir(parents=True, exist_ok=True)
-    options = set(pyfuse3.default_options) | set(MOUNT_OPTIONS)
-    pyfuse3.init(ops, str(fs.mountpoint), options)
+    conn = connection.acquire(fs.mountpoint, MOUNT, holder_socket=fs.holder_socket)
+    keeper = connection.keep(conn, notify=notify, holder_socket=fs.holder_socket)
+    session = Session(ops, conn.fd)
     try:
         on_started(MountProbe(fs.mountpoint, FSTYPE).check)
-        log.info("serving layers", mountpoint=str(fs.mountpoint), store=str(fs.store))
-        trio.run(_main, ops, fs.mountpoint, hot, on_ready, on_stopping)
+        log.info(
+            "serving layers",
+            mountpoint=str(fs.mountpoint),
+            store=str(fs.store),
+            connection=conn.source,
+            kept_by=keeper,
+        )
+        trio.run(_main, ops, session, conn, keeper, fs.holder_socket, hot, on_ready, on_stopping)
     finally:
-        pyfuse3.close(unmount=True)
+        # Our copy only: the keeper's stays, and with it the mount.
+        os.close(conn.fd)
         ops.close()
         block_index.close()
         local.close()
-        log.info("stopped")
+        log.info("stopped; the mount stays for the next layer server", mountpoint=str(fs.mountpoint))
+
+
+def release(fs: FsConfig, notify: Notify | None = None) -> None:
+    """The final stop of the layer mount: unmount it and let the holder go
+    (running containers' reads then fail). Under systemd, stopping the unit
+    does this: the descriptor store is emptied when the unit stops."""
+    held = handoff.get(fs.holder_socket)
+    if held is not None:
+        connection.release(Connection(held.fd, fs.mountpoint, "holder"), notify=notify, holder_socket=fs.holder_socket)
+    elif connection.mounted_fstype(fs.mountpoint) == FSTYPE:
+        unmount(fs.mountpoint, lazy=True)
 
 
 async def _tune_readahead(ops: LayerFS, mountpoint: Path) -> None:
-    # The kernel settles the connection's read-ahead when libfuse answers INIT
-    # (inside pyfuse3.main); raise it after that, so sequential readers send
-    # large requests.
+    # The kernel settles the connection's read-ahead when INIT is answered;
+    # raise it after that, so sequential readers send large requests.
     await ops.initialized.wait()
     await trio.sleep(0)
     await trio.to_thread.run_sync(set_kernel_readahead, mountpoint, KERNEL_READAHEAD)
 
 
 async def _announce_ready(ops: LayerFS, mountpoint: Path, on_ready: Callable[[], None]) -> None:
-    # After the kernel's INIT, and once a stat of the mountpoint shows the mount.
+    # After the kernel's INIT (or the takeover), and once a stat of the
+    # mountpoint shows the mount.
     await ops.initialized.wait()
     await MountProbe(mountpoint, FSTYPE).answering()
     on_ready()
 
 
+async def _watch_keeper(conn: Connection, holder_socket: Path) -> None:
+    """A killed holder is replaced and given a copy again, so the next crash
+    still finds the connection."""
+    while True:
+        await trio.sleep(KEEPER_CHECK_S)
+        try:
+            await trio.to_thread.run_sync(connection.ensure_kept, conn, holder_socket)
+        except OSError as exc:
+            log.warning("could not have the FUSE connection kept", error=str(exc))
+
+
 async def _main(
     ops: LayerFS,
-    mountpoint: Path,
+    session: Session,
+    conn: Connection,
+    keeper: str | None,
+    holder_socket: Path,
     hot: HotBlocks | None,
     on_ready: Callable[[], None],
     on_stopping: Callable[[], None],
 ) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(pyfuse3.main)
-        nursery.start_soon(_announce_ready, ops, mountpoint, on_ready)
+        stopped = trio.Event()
+
+        async def on_signal() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("stopping; handing the mount over", signal=signal.Signals(signum).name)
+                    on_stopping()
+                    session.stop(DRAIN_S)
+                    stopped.set()
+                    return
+
+        async def run_session() -> None:
+            outcome = await session.serve(conn.takeover)
+            if not stopped.is_set():
+                # Unmounted or aborted from outside: the daemon stays, unhealthy
+                # (its probe says why), until it is told to stop.
+                log.error("the FUSE connection ended", outcome=outcome.value, mountpoint=str(conn.mountpoint))
+                await stopped.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(on_signal)
+        nursery.start_soon(run_session)
+        nursery.start_soon(_announce_ready, ops, conn.mountpoint, on_ready)
         if hot is not None:
             nursery.start_soon(hot.run)
-        nursery.start_soon(_tune_readahead, ops, mountpoint)
+        nursery.start_soon(_tune_readahead, ops, conn.mountpoint)
         nursery.start_soon(ops.maintain)
+        if keeper == "holder":
+            nursery.start_soon(_watch_keeper, conn, holder_socket)
         if ops.background is not None:
             nursery.start_soon(ops.background.run)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("stopping", signal=signal.Signals(signum).name)
-                on_stopping()
-                nursery.cancel_scope.cancel()
-                return

@@ -52,6 +52,11 @@ class FsConfig:
     # background_bandwidth bytes/s, pausing while readers wait on fetches.
     background_fetch: bool = False
     background_bandwidth: int = 50_000_000
+    # Where the descriptor holder listens when no service manager keeps the
+    # FUSE connection (docs/fuse-failover.md): a holder process keeps the
+    # mount's connection, so a new layer server takes the mount over after a
+    # crash or a restart and running containers keep their files.
+    holder_socket: Path = Path("/run/bootseer/layer-server.fuse")
     # Layers at most this big (compressed) are fetched whole as soon as they
     # are served, with the prefetch slots: a few Range requests instead of a
     # miss per file (0: off).

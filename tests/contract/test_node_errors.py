@@ -67,8 +67,10 @@ def test_layer_server_down_is_said_in_words(node: Node) -> None:
             update_mask={"paths": [f"labels.{labels.REMOTE}"]},
         )
     )
-    # A killed FUSE server leaves its mount answering ENOTCONN.
-    node.layers.daemon.kill9()
+    # A killed FUSE server that nobody restarts, once its connection's
+    # keeper lets go, leaves its mount answering ENOTCONN.
+    node.layers.kill9()
+    node.layers.abandon()
     with pytest.raises(OSError) as dead:
         os.stat(mountpoint)
     assert dead.value.errno == errno.ENOTCONN

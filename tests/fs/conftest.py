@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import prometheus_client
-import pyfuse3
 import pytest
 import trio
 
 from snapshotter.fs.blockindex import BlockIndex
+from snapshotter.fs.fusewire.mount import MountOptions
+from snapshotter.fs.fusewire.mount import mount as fuse_mount
+from snapshotter.fs.fusewire.session import Session
 from snapshotter.fs.layerfs import LayerFS
 from snapshotter.fs.layers import LayerSource, LayerStore
 from snapshotter.layer.build import build_index
@@ -162,7 +164,8 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
             unload_idle_s=unload_idle_s,
             mountpoint=mountpoint,
         )
-        pyfuse3.init(ops, str(mountpoint), ["fsname=bootseer-test", "ro", "default_permissions"])
+        fd = fuse_mount(mountpoint, MountOptions(fsname="bootseer-test", subtype="bootseer-test"))
+        session = Session(ops, fd)
 
         tokens: list[trio.lowlevel.TrioToken] = []
 
@@ -173,14 +176,14 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
                     nursery.start_soon(ops.background.run)
                 if maintain:
                     nursery.start_soon(ops.maintain)
-                await pyfuse3.main()
+                await session.serve()
                 nursery.cancel_scope.cancel()
 
         def run() -> None:
             try:
                 trio.run(serve)
             finally:
-                pyfuse3.close(unmount=False)
+                os.close(fd)
                 ops.close()
                 block_index.close()
 

@@ -15,9 +15,9 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
-import pyfuse3
 import pytest
 
+from snapshotter.fs import fusewire
 from snapshotter.fs.layerfs import LayerFS
 from snapshotter.fs.layers import LayerStore
 from snapshotter.layer.index import EntryType, LayerIndex
@@ -255,9 +255,9 @@ def test_listings_show_dot_and_dotdot(mount_layers: Callable[..., Mounted], tmp_
         "..": os.stat(layer).st_ino,
         **{name: os.stat(sub / name).st_ino for name in names},
     }
-    assert _listing(layer) == {".": os.stat(layer).st_ino, "..": pyfuse3.ROOT_INODE, "sub": os.stat(sub).st_ino}
+    assert _listing(layer) == {".": os.stat(layer).st_ino, "..": fusewire.ROOT_INODE, "sub": os.stat(sub).st_ino}
     top = _listing(m.mountpoint)
-    assert top["."] == pyfuse3.ROOT_INODE
+    assert top["."] == fusewire.ROOT_INODE
     assert sorted(top) == sorted([".", "..", *(d.split(":")[1] for d in [digest, *others])])
 
 
@@ -265,7 +265,7 @@ def test_every_fuse_operation_is_guarded() -> None:
     handlers = [
         name
         for name, value in vars(LayerFS).items()
-        if name in vars(pyfuse3.Operations) and inspect.iscoroutinefunction(value)
+        if name in vars(fusewire.Operations) and inspect.iscoroutinefunction(value)
     ]
     assert {"lookup", "getattr", "readdir", "read", "forget", "statfs"} <= set(handlers)
     assert [name for name in handlers if not hasattr(getattr(LayerFS, name), "__wrapped__")] == []

@@ -11,10 +11,10 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
-import pyfuse3
 import pytest
 import trio
 
+from snapshotter.fs import fusewire
 from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.fs.layerfs import SLOT_SHIFT, LayerFS
 from snapshotter.fs.layers import LayerStore
@@ -57,7 +57,7 @@ def test_a_new_server_answers_the_inode_numbers_an_earlier_one_gave(
             fh = (await server.open(ino, os.O_RDONLY, None)).fh
             assert await server.read(fh, 0, 4) == bytes([1 if digest == digests[0] else 2]) * 4
         # A slot no process gave out finds nothing.
-        with pytest.raises(pyfuse3.FUSEError) as nothing:
+        with pytest.raises(fusewire.FUSEError) as nothing:
             await server.getattr((max(i >> SLOT_SHIFT for i in inodes.values()) + 1) << SLOT_SHIFT | 2, None)
         assert nothing.value.errno == errno.ENOENT
 
@@ -82,10 +82,10 @@ def test_a_pruned_layers_inode_numbers_find_nothing_and_its_slot_is_never_reused
     server = _server(store, {new_digest: Blob(new)})
 
     async def ask() -> None:
-        with pytest.raises(pyfuse3.FUSEError) as gone:
+        with pytest.raises(fusewire.FUSEError) as gone:
             await server.getattr(ino, None)
         assert gone.value.errno == errno.ENOENT
-        attr = await server.lookup(pyfuse3.ROOT_INODE, new_digest.split(":")[1].encode(), None)
+        attr = await server.lookup(fusewire.ROOT_INODE, new_digest.split(":")[1].encode(), None)
         assert attr.st_ino >> SLOT_SHIFT > ino >> SLOT_SHIFT
 
     trio.run(ask)

@@ -7,13 +7,15 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.harness.procs import Daemon, free_tcp_port, start_daemon, wait_until
+from snapshotter.fs.fusewire import handoff
+from tests.harness.procs import Daemon, DaemonError, free_tcp_port, start_daemon, wait_until
 from tests.harness.snapshotter import BOOTSEER_BIN
 from tests.harness.tree import unmount_under
 from tests.harness.trust import signing_keys
@@ -48,6 +50,11 @@ class LazyConfig:
         return self.workdir / "m"
 
     @property
+    def holder_socket(self) -> Path:
+        """Where the layer server's descriptor holder keeps the mount's connection."""
+        return self.workdir / "holder.sock"
+
+    @property
     def certs_dir(self) -> Path:
         return self.workdir / "certs.d"
 
@@ -80,6 +87,7 @@ format = "console"
 [fs]
 store = "{self.store}"
 mountpoint = "{self.mountpoint}"
+holder_socket = "{self.holder_socket}"
 metrics_address = "127.0.0.1:{self.metrics_port}"
 layer_gc_grace_s = 0
 record_idle_s = {self.record_idle_s}
@@ -129,8 +137,36 @@ class LayerServer:
         return total
 
     def stop(self) -> None:
+        """SIGTERM: the server hands the mount over and exits; the mount stays
+        (its connection kept by the holder) for the next start to take over."""
         self.daemon.stop()
-        wait_until(lambda: not os.path.ismount(self.config.mountpoint), 10, "the layer mount to go")
+
+    def kill9(self) -> None:
+        """SIGKILL, as the OOM killer does: the mount stays too."""
+        self.daemon.kill9()
+
+    def abandon(self) -> None:
+        """The holder lets the connection go with no server to take it: the
+        mount stays and answers ENOTCONN, what a server that died and is
+        never restarted leaves once its keeper gives up."""
+        handoff.drop(self.config.holder_socket)
+
+    def release(self) -> None:
+        """The final stop: `bootseer layer-server --release` unmounts and lets
+        the holder go; then the holder the server started is waited for (and
+        killed by its PID if it lingers)."""
+        holder = handoff.holder_alive(self.config.holder_socket)
+        subprocess.run(
+            [str(BOOTSEER_BIN), "layer-server", "--config", str(self.config.path), "--release"],
+            check=False,
+            capture_output=True,
+            timeout=60,
+        )
+        if holder is not None:
+            try:
+                wait_until(lambda: not _alive(holder), 10, "the descriptor holder to exit")
+            except DaemonError:
+                os.kill(holder, signal.SIGKILL)
 
     def logs(self) -> str:
         return "\n".join(f"--- {d.name} ---\n{d.log_tail()}" for d in self.incarnations)
@@ -139,6 +175,7 @@ class LayerServer:
         for daemon in self.incarnations:
             daemon.stop()
             daemon.kill_group()
+        self.release()
         # A killed server's mount answers ENOTCONN, and ismount says False for it.
         if os.path.ismount(self.config.mountpoint) or _dead_mount(self.config.mountpoint):
             subprocess.run(["fusermount3", "-u", "-z", str(self.config.mountpoint)], check=False)
@@ -146,6 +183,14 @@ class LayerServer:
         if not leftovers:
             shutil.rmtree(self.config.workdir, ignore_errors=True)
         return leftovers
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _dead_mount(path: Path) -> bool:

@@ -26,6 +26,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from snapshotter.fs.fusewire.session import _attr as encode_attr
 from snapshotter.fs.layerfs import entry_attributes
 from snapshotter.layer.build import UnsupportedLayer, build_index
 from snapshotter.layer.index import (
@@ -205,8 +206,8 @@ def check_node(node: Node, layer_bytes: int) -> None:
         assert len(value) <= MAX_XATTR_VALUE_BYTES
         listed += len(name) + 1
     assert listed <= MAX_XATTR_LIST_BYTES
-    # pyfuse3 raises on any value its C fields cannot hold.
-    entry_attributes(1, node)
+    # What the kernel is sent: struct.error on any value its fields cannot hold.
+    encode_attr(entry_attributes(1, node))
 
 
 def check_tree(tree: LayerTree, layer_bytes: int) -> None:

@@ -1,0 +1,148 @@
+"""Where the descriptor goes between incarnations, without a mount: the
+systemd file descriptor store (through bootseer.daemon's Notifier, as the
+composition root passes it), LISTEN_FDS parsing, and the holder's protocol
+on a plain pipe. Plus the readdir buffer arithmetic of the facade."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from bootseer.daemon import Notifier
+from snapshotter.fs import fusewire as fw
+from snapshotter.fs.fusewire import handoff, protocol
+from snapshotter.fs.fusewire.connection import Connection, ensure_kept
+from tests.fusewire.harness import wait_for
+
+
+def test_the_descriptor_goes_to_systemd_with_its_name(tmp_path: Path) -> None:
+    address = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind(str(address))
+        read_end, write_end = os.pipe()
+        try:
+            assert handoff.store_in_systemd(Notifier(str(address)).send, read_end)
+            message, fds = handoff.receive(systemd)
+            assert message.split(b"\n") == [b"FDSTORE=1", b"FDNAME=fuse"]
+            assert len(fds) == 1
+            os.write(write_end, b"x")
+            assert os.read(fds[0], 1) == b"x"
+            os.close(fds[0])
+            assert handoff.remove_from_systemd(Notifier(str(address)).send)
+            message, _ = handoff.receive(systemd)
+            assert message.split(b"\n") == [b"FDSTOREREMOVE=1", b"FDNAME=fuse"]
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+
+
+def _from_systemd_in_child(names: str, same_pid: bool) -> str:
+    # bash lays out descriptors 3 and 4 as systemd would and execs Python
+    # in its own PID, so LISTEN_PID=$$ names the process that reads it.
+    pid = "$$" if same_pid else "1"
+    script = (
+        "exec 3</dev/null 4</dev/null; "
+        f"LISTEN_PID={pid} LISTEN_FDS=2 LISTEN_FDNAMES={names} "
+        f"exec {sys.executable} -c 'from snapshotter.fs.fusewire import handoff; print(handoff.from_systemd())'"
+    )
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_the_descriptor_is_found_again_by_name() -> None:
+    assert _from_systemd_in_child("metrics:fuse", same_pid=True) == "4"
+    assert _from_systemd_in_child("fuse:metrics", same_pid=True) == "3"
+    assert _from_systemd_in_child("metrics:other", same_pid=True) == "None"
+    # Variables meant for another process are not ours.
+    assert _from_systemd_in_child("metrics:fuse", same_pid=False) == "None"
+
+
+def test_the_holder_keeps_a_descriptor_and_hands_out_copies(tmp_path: Path) -> None:
+    sock = tmp_path / "holder.sock"
+    holder = subprocess.Popen([sys.executable, "-m", "snapshotter.fs.fusewire.holder", str(sock)])
+    read_end, write_end = os.pipe()
+    try:
+        wait_for("holder answering", lambda: handoff.holder_alive(sock) == holder.pid, 30)
+        assert handoff.get(sock) is None
+        handoff.put(sock, read_end, {"mountpoint": "/x"})
+        os.close(read_end)
+        read_end = -1
+        for _ in range(2):
+            held = handoff.get(sock)
+            assert held is not None
+            assert held.meta == {"mountpoint": "/x"}
+            os.write(write_end, b"y")
+            assert os.read(held.fd, 1) == b"y"
+            os.close(held.fd)
+        assert handoff.drop(sock)
+        assert holder.wait(timeout=30) == 0
+        assert not sock.exists()
+    finally:
+        if read_end >= 0:
+            os.close(read_end)
+        os.close(write_end)
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def test_the_holder_leaves_when_its_descriptor_dies(tmp_path: Path) -> None:
+    sock = tmp_path / "holder.sock"
+    holder = subprocess.Popen([sys.executable, "-m", "snapshotter.fs.fusewire.holder", str(sock)])
+    read_end, write_end = os.pipe()
+    try:
+        wait_for("holder answering", lambda: handoff.holder_alive(sock) == holder.pid, 30)
+        handoff.put(sock, read_end, {})
+        # A pipe whose writer is gone polls POLLHUP, as a dead connection
+        # polls POLLERR.
+        os.close(write_end)
+        write_end = -1
+        assert holder.wait(timeout=30) == 0
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def test_readdir_reply_fills_the_buffer_and_no_more() -> None:
+    attr = fw.EntryAttributes(st_ino=7)
+    one = protocol.dirent_size(len(b"name"))
+    token = fw.ReaddirToken(size=one * 2 + one // 2)
+    assert fw.readdir_reply(token, b"name", attr, 1)
+    assert fw.readdir_reply(token, b"name", attr, 2)
+    assert not fw.readdir_reply(token, b"name", attr, 3)
+    assert token.used == 2 * one == len(b"".join(token.chunks))
+    ino, off, namelen, kind = protocol.DIRENT_HEAD.unpack_from(token.chunks[1])
+    assert (ino, off, namelen, kind) == (7, 2, 4, 8)  # DT_REG
+
+
+def test_a_lost_holder_is_replaced_and_given_the_descriptor_again(tmp_path: Path) -> None:
+    sock = tmp_path / "holder.sock"
+    read_end, write_end = os.pipe()
+    conn = Connection(read_end, tmp_path / "mnt", "mount")
+    pid = None
+    try:
+        assert ensure_kept(conn, sock)
+        pid = handoff.holder_alive(sock)
+        assert pid is not None
+        # Kept already: nothing to do.
+        assert not ensure_kept(conn, sock)
+        held = handoff.get(sock)
+        assert held is not None
+        os.write(write_end, b"z")
+        assert os.read(held.fd, 1) == b"z"
+        os.close(held.fd)
+        assert handoff.drop(sock)
+        wait_for("the holder to leave", lambda: handoff.holder_alive(sock) is None, 30)
+        pid = None
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+        os.close(read_end)
+        os.close(write_end)
