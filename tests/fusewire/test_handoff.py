@@ -10,7 +10,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from bootseer.daemon import Notifier
 from snapshotter.fs import fusewire as fw
@@ -146,3 +149,33 @@ def test_a_lost_holder_is_replaced_and_given_the_descriptor_again(tmp_path: Path
             os.kill(pid, signal.SIGKILL)
         os.close(read_end)
         os.close(write_end)
+
+
+def test_a_holder_no_server_keeps_in_touch_with_lets_the_connection_go(tmp_path: Path) -> None:
+    """No ping, no request for the descriptor: no server is coming, so the
+    holder closes its copy (readers of a real mount then get ENOTCONN) and
+    exits. While a server pings, it keeps the descriptor."""
+    sock = tmp_path / "holder.sock"
+    holder = subprocess.Popen([sys.executable, "-m", "snapshotter.fs.fusewire.holder", str(sock), "3"])
+    read_end, write_end = os.pipe()
+    try:
+        wait_for("holder answering", lambda: handoff.holder_alive(sock) == holder.pid, 30)
+        handoff.put(sock, read_end, {})
+        os.close(read_end)
+        read_end = -1
+        # A server in touch every 0.1 s, for longer than the orphan period.
+        for _ in range(40):
+            assert handoff.holder_alive(sock) == holder.pid
+            time.sleep(0.1)
+        assert holder.poll() is None
+        # Then nobody: the holder lets go, and the pipe's reader is gone.
+        assert holder.wait(timeout=60) == 0
+        with pytest.raises(BrokenPipeError):
+            os.write(write_end, b"x")
+    finally:
+        if read_end >= 0:
+            os.close(read_end)
+        os.close(write_end)
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()

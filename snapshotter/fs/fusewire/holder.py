@@ -12,6 +12,12 @@ it polls it for no events, which still reports POLLERR once the connection
 is gone (unmounted or aborted), and then exits: nothing outlives the mount.
 It also exits on DROP, SIGTERM or SIGINT. It must stay small and never
 fail: it owns nothing else, and it imports nothing heavy.
+
+A held connection with no server is a mount whose readers wait. A serving
+layer server pings the holder every few seconds (connection.ensure_kept),
+and a successor asks for the descriptor at once; so when nobody has been in
+touch for ORPHAN_S, no server is coming: the holder lets the connection go,
+and the readers get ENOTCONN instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import select
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -37,12 +44,19 @@ class _Stopped(Exception):
     pass
 
 
+# Well above a restart (the layer server is back within a second or two) and
+# the server's ping period (5 s), well under "for ever".
+ORPHAN_S = 60.0
+
+
 class Holder:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, orphan_s: float = ORPHAN_S) -> None:
         self.path = path
+        self.orphan_s = orphan_s
         self.fd: int | None = None
         self.meta: dict[str, Any] = {}
         self.running = True
+        self.last_contact = time.monotonic()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
 
     def listen(self) -> None:
@@ -65,8 +79,19 @@ class Holder:
                 if self.fd is not None:
                     poller.register(self.fd, 0)
                 watched = self.fd
+            if self.fd is not None and time.monotonic() - self.last_contact >= self.orphan_s:
+                log.warning(
+                    "no layer server has been in touch; letting the FUSE connection go, so its readers fail "
+                    "instead of waiting",
+                    seconds=self.orphan_s,
+                    **self.meta,
+                )
+                self._close_held()
+                self.running = False
+                continue
+            wait_s = self.orphan_s - (time.monotonic() - self.last_contact) if self.fd is not None else None
             try:
-                events = poller.poll()
+                events = poller.poll(None if wait_s is None else max(wait_s, 0.0) * 1000 + 1)
             except InterruptedError:
                 continue
             for fd, mask in events:
@@ -86,6 +111,7 @@ class Holder:
             conn.settimeout(5.0)
             try:
                 message, fds = receive(conn)
+                self.last_contact = time.monotonic()
                 conn.sendmsg(*self._answer(message, fds))
             except OSError as exc:
                 log.warning("holder request failed", error=str(exc))
@@ -129,10 +155,10 @@ class Holder:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m snapshotter.fs.fusewire.holder SOCKET", file=sys.stderr)
+    if len(args) not in (1, 2):
+        print("usage: python -m snapshotter.fs.fusewire.holder SOCKET [ORPHAN_S]", file=sys.stderr)
         return 2
-    holder = Holder(Path(args[0]))
+    holder = Holder(Path(args[0]), float(args[1]) if len(args) == 2 else ORPHAN_S)
 
     def stop(signum: int, frame: FrameType | None) -> None:
         # Raised, not a flag: Python retries an interrupted poll() after
