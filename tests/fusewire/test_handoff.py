@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -63,54 +65,59 @@ def test_the_descriptor_is_found_again_by_name() -> None:
     assert _from_systemd_in_child("metrics:fuse", same_pid=False) == "None"
 
 
-def test_the_holder_keeps_a_descriptor_and_hands_out_copies(tmp_path: Path) -> None:
-    sock = tmp_path / "holder.sock"
-    holder = subprocess.Popen([sys.executable, "-m", "snapshotter.fs.fusewire.holder", str(sock)])
-    read_end, write_end = os.pipe()
+@contextmanager
+def _holder(sock: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A holder process at `sock`, answering; killed at the end if it is still there."""
+    holder = subprocess.Popen([sys.executable, "-m", "snapshotter.fs.fusewire.holder", str(sock), *args])
     try:
         wait_for("holder answering", lambda: handoff.holder_alive(sock) == holder.pid, 30)
-        assert handoff.get(sock) is None
-        handoff.put(sock, read_end, {"mountpoint": "/x"})
-        os.close(read_end)
-        read_end = -1
-        for _ in range(2):
-            held = handoff.get(sock)
-            assert held is not None
-            assert held.meta == {"mountpoint": "/x"}
-            os.write(write_end, b"y")
-            assert os.read(held.fd, 1) == b"y"
-            os.close(held.fd)
-        assert handoff.drop(sock)
-        assert holder.wait(timeout=30) == 0
-        assert not sock.exists()
+        yield holder
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def test_the_holder_keeps_a_descriptor_and_hands_out_copies(tmp_path: Path) -> None:
+    sock = tmp_path / "holder.sock"
+    read_end, write_end = os.pipe()
+    try:
+        with _holder(sock) as holder:
+            assert handoff.get(sock) is None
+            handoff.put(sock, read_end, {"mountpoint": "/x"})
+            os.close(read_end)
+            read_end = -1
+            for _ in range(2):
+                held = handoff.get(sock)
+                assert held is not None
+                assert held.meta == {"mountpoint": "/x"}
+                os.write(write_end, b"y")
+                assert os.read(held.fd, 1) == b"y"
+                os.close(held.fd)
+            assert handoff.drop(sock)
+            assert holder.wait(timeout=30) == 0
+            assert not sock.exists()
     finally:
         if read_end >= 0:
             os.close(read_end)
         os.close(write_end)
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait()
 
 
 def test_the_holder_leaves_when_its_descriptor_dies(tmp_path: Path) -> None:
     sock = tmp_path / "holder.sock"
-    holder = subprocess.Popen([sys.executable, "-m", "snapshotter.fs.fusewire.holder", str(sock)])
     read_end, write_end = os.pipe()
     try:
-        wait_for("holder answering", lambda: handoff.holder_alive(sock) == holder.pid, 30)
-        handoff.put(sock, read_end, {})
-        # A pipe whose writer is gone polls POLLHUP, as a dead connection
-        # polls POLLERR.
-        os.close(write_end)
-        write_end = -1
-        assert holder.wait(timeout=30) == 0
+        with _holder(sock) as holder:
+            handoff.put(sock, read_end, {})
+            # A pipe whose writer is gone polls POLLHUP, as a dead connection
+            # polls POLLERR.
+            os.close(write_end)
+            write_end = -1
+            assert holder.wait(timeout=30) == 0
     finally:
         os.close(read_end)
         if write_end >= 0:
             os.close(write_end)
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait()
 
 
 def test_readdir_reply_fills_the_buffer_and_no_more() -> None:
@@ -156,26 +163,22 @@ def test_a_holder_no_server_keeps_in_touch_with_lets_the_connection_go(tmp_path:
     holder closes its copy (readers of a real mount then get ENOTCONN) and
     exits. While a server pings, it keeps the descriptor."""
     sock = tmp_path / "holder.sock"
-    holder = subprocess.Popen([sys.executable, "-m", "snapshotter.fs.fusewire.holder", str(sock), "3"])
     read_end, write_end = os.pipe()
     try:
-        wait_for("holder answering", lambda: handoff.holder_alive(sock) == holder.pid, 30)
-        handoff.put(sock, read_end, {})
-        os.close(read_end)
-        read_end = -1
-        # A server in touch every 0.1 s, for longer than the orphan period.
-        for _ in range(40):
-            assert handoff.holder_alive(sock) == holder.pid
-            time.sleep(0.1)
-        assert holder.poll() is None
-        # Then nobody: the holder lets go, and the pipe's reader is gone.
-        assert holder.wait(timeout=60) == 0
-        with pytest.raises(BrokenPipeError):
-            os.write(write_end, b"x")
+        with _holder(sock, "3") as holder:
+            handoff.put(sock, read_end, {})
+            os.close(read_end)
+            read_end = -1
+            # A server in touch every 0.1 s, for longer than the orphan period.
+            for _ in range(40):
+                assert handoff.holder_alive(sock) == holder.pid
+                time.sleep(0.1)
+            assert holder.poll() is None
+            # Then nobody: the holder lets go, and the pipe's reader is gone.
+            assert holder.wait(timeout=60) == 0
+            with pytest.raises(BrokenPipeError):
+                os.write(write_end, b"x")
     finally:
         if read_end >= 0:
             os.close(read_end)
         os.close(write_end)
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait()
