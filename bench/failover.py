@@ -103,13 +103,13 @@ def _stalls(reader: Reader, windows: list[tuple[float, float]]) -> dict[str, obj
 
 def run_layer_server(rounds: int) -> dict[str, object]:
     import hashlib
-    import os
     import subprocess
     import sys
 
     from tests.harness.lazynode import start_lazy_node, stop_lazy_node
     from tests.harness.oci import File, ImageBuilder, busybox_layer
     from tests.harness.registry import start_registry
+    from tests.harness.tree import drop_page_cache
 
     rng = random.Random(2)
     data = random.Random(3).randbytes(100 << 20)
@@ -134,8 +134,7 @@ def run_layer_server(rounds: int) -> dict[str, object]:
                 windows = []
                 for i in range(rounds):
                     reader.wait_passes(1, after=time.monotonic(), timeout=TIMEOUT)
-                    os.sync()
-                    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+                    drop_page_cache()
                     time.sleep(rng.uniform(0.0, 0.2))
                     event = time.monotonic()
                     if mode == "kill9":

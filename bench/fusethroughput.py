@@ -27,10 +27,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench import ocidir, report
-from bench.node import drop_caches, start_node
+from bench.node import start_node
 from bench.report import log
 from tests.harness.oci import push
 from tests.harness.registry import start_registry
+from tests.harness.tree import drop_page_cache
 
 NAME = "fuse_read"
 TARGET = 0.5
@@ -89,7 +90,7 @@ def run(size: int, runs: int) -> dict[str, object]:
         samples: dict[str, list[float]] = {"fuse": [], "direct": []}
         for i in range(runs):
             for kind in ("fuse", "direct") if i % 2 == 0 else ("direct", "fuse"):
-                drop_caches()
+                drop_page_cache()
                 seconds = _read_all(through_fuse if kind == "fuse" else direct)
                 samples[kind].append(seconds)
                 log(f"run {i + 1}/{runs} {kind:6} {size / seconds / 1e9:.2f} GB/s")

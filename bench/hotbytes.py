@@ -42,9 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.node import drop_caches
 from tests.harness.containerd import Containerd
 from tests.harness.oci import ImageLayout
+from tests.harness.tree import drop_page_cache
 
 # Compressed bytes between two samples of the offset map: the worst error of
 # one range's end, averaged out by the interpolation.
@@ -320,7 +320,7 @@ def measure(
 def _one_start(
     run: Callable[[], object], maps: list[LayerMap], dirs: list[Path], layout: ImageLayout
 ) -> list[LayerHot]:
-    drop_caches()
+    drop_page_cache()
     with _ReadAheadOff(dirs[0]):
         run()
     layers = []

@@ -4,7 +4,6 @@ them, and a teardown that stops them by PID and unmounts what they left."""
 
 from __future__ import annotations
 
-import subprocess
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,10 +72,3 @@ def start_node(plain_http_hosts: list[str], hot_blocks: bool = False) -> Node:
             stop()
         raise
     return Node(layers, snapshotter, containerd)
-
-
-def drop_caches() -> None:
-    """Empty the machine's page cache, so a timed read comes from the node's
-    storage (or across the link), not from memory."""
-    subprocess.run(["sync"], check=True)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")

@@ -48,11 +48,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench import hotbytes, image, link, report, stargz, timeline
-from bench.node import Node, drop_caches, start_node
+from bench.node import Node, start_node
 from bench.report import log
 from bench.timeline import Run, ScriptOutput, Segment
 from tests.harness.containerd import CTR_BIN, Containerd
 from tests.harness.oci import push
+from tests.harness.tree import drop_page_cache
 
 NAME = "startup"
 REPOSITORY = "bench/train"
@@ -314,7 +315,7 @@ def timed_run(setup: Setup, mode: Mode, number: int) -> Run:
     try:
         # Counter deltas: the long-lived lazy-warm node has counted earlier runs.
         before = _layer_server_metrics(node)
-        drop_caches()
+        drop_page_cache()
         with RxSampler(setup.netns) as sampler:
             ctx = RunContext(setup, node, sampler, time.time(), ref)
             pull = mode.pull(ctx)

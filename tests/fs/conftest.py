@@ -108,12 +108,6 @@ def fill(directory: Path, leave: int = 0) -> Path:
     return filler
 
 
-def drop_page_cache() -> None:
-    """Reads after this reach the layer server, and it reads its cache file from disk."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
     """tmpfs mounts of a given size under tmp_path: a disk that fills up,

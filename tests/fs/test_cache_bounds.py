@@ -23,7 +23,8 @@ import trio
 from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.fs.eviction import PAGE, BlockCache, hole
 from snapshotter.fs.layers import LayerStore
-from tests.fs.conftest import Blob, Mounted, add_layer, drop_page_cache, metric, unmount
+from tests.fs.conftest import Blob, Mounted, add_layer, metric, unmount
+from tests.harness.tree import drop_page_cache
 
 SPAN = 1 << 20
 MB = 1_000_000

@@ -22,8 +22,9 @@ from snapshotter.fs.layerfs import LayerFS
 from snapshotter.fs.layers import LayerStore
 from snapshotter.layer.index import EntryType, LayerIndex
 from snapshotter.layer.tree import ROOT
-from tests.fs.conftest import Blob, Mounted, add_layer, drop_page_cache, fill, make_layer, metric, unmount
+from tests.fs.conftest import Blob, Mounted, add_layer, fill, make_layer, metric, unmount
 from tests.harness.procs import wait_until
+from tests.harness.tree import drop_page_cache
 
 SPAN = 256 << 10
 

@@ -21,7 +21,8 @@ import trio
 from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.fs.layers import LayerStore
 from snapshotter.fs.reader import BlockUnavailable, BoundedFetcher, LayerReader
-from tests.fs.conftest import Mounted, add_layer, drop_page_cache, make_layer
+from tests.fs.conftest import Mounted, add_layer, make_layer
+from tests.harness.tree import drop_page_cache
 
 SPAN = 256 << 10
 DEADLINE_S = 1.0

@@ -225,3 +225,10 @@ def mounted(mounts: Sequence[Mount], target: Path) -> Iterator[Path]:
         leftovers = unmount_under(target)
         if leftovers:
             raise RuntimeError("could not unmount:\n" + "\n".join(leftovers))
+
+
+def drop_page_cache() -> None:
+    """Empty the machine's page cache: reads after this reach the filesystem
+    that serves them (a FUSE server, the disk), not memory."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")

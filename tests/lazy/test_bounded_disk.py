@@ -23,6 +23,7 @@ from tests.harness.oci import File, ImageBuilder, busybox_layer
 from tests.harness.procs import wait_until
 from tests.harness.registry import Registry
 from tests.harness.snapshotter import Snapshotter, start_snapshotter
+from tests.harness.tree import drop_page_cache
 
 pytestmark = pytest.mark.integration
 
@@ -135,8 +136,7 @@ def test_a_capped_cache_serves_more_than_it_holds_and_image_removal_frees_the_di
     fetched = node.layers.metric("bootseer_fs_fetched_bytes_total")
     # A new container's page cache is the same files': drop it, so the
     # second read reaches the layer server.
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    drop_page_cache()
     with _Peak(store) as peak:
         out = c.run(image.ref, f"capped2-{unique}", "/bin/sha256sum", "/weights.bin")
     assert out.split()[0] == expected

@@ -7,7 +7,6 @@ goes on, every hash is right, and new containers start on both sides."""
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 import shutil
 import subprocess
@@ -20,6 +19,7 @@ import pytest
 from tests.harness.lazynode import LazyNode
 from tests.harness.oci import File, ImageBuilder, busybox_layer
 from tests.harness.procs import wait_until
+from tests.harness.tree import drop_page_cache
 
 pytestmark = pytest.mark.integration
 
@@ -27,12 +27,6 @@ BIG = 100 << 20
 # A pass of the loop that does not end this long after the server came back
 # is a hang: far above what 100 MB from the layer server's cache takes.
 PASS_BOUND_S = 120.0
-
-
-def _drop_page_cache() -> None:
-    """The container's next reads go to the layer server, not the kernel's cache."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 @pytest.fixture
@@ -71,7 +65,7 @@ def test_a_container_reading_through_a_layer_server_restart_sees_every_byte(
     try:
         wait_until(lambda: len(_hashes(out_dir)) >= 1, PASS_BOUND_S, "the first pass")
         before = len(_hashes(out_dir))
-        _drop_page_cache()
+        drop_page_cache()
         # Mid-read: the loop reads /big through the layer server right now.
         wait_until(lambda: lazy_node.layers.metric("bootseer_fs_op_seconds_count") > 0, 10, "reads")
         stop: Callable[[], None] = lazy_node.layers.kill9 if how == "kill -9" else lazy_node.layers.stop
@@ -80,7 +74,7 @@ def test_a_container_reading_through_a_layer_server_restart_sees_every_byte(
         assert _mounted(lazy_node)
         lazy_node.layers.start()
         # The loop goes on: passes after the restart, each hash right.
-        _drop_page_cache()
+        drop_page_cache()
         wait_until(lambda: len(_hashes(out_dir)) >= before + 2, PASS_BOUND_S, "passes after the restart")
         hashes = _hashes(out_dir)
         assert set(hashes) == {want}, hashes
