@@ -70,11 +70,7 @@ def run(rounds: int) -> dict[str, object]:
                     windows.append((event, done))
                     log(f"{mode} round {i + 1}: server back after {(done - event) * 1000:.0f} ms")
                 results[mode] = _stalls(reader, windows)
-            reader.stop(timeout=TIMEOUT)
-            passes = reader.passes()
-            results["passes"] = len(passes)
-            results["failed_passes"] = sum(1 for p in passes if not p["ok"])
-            results["wrong_bytes"] = sum(1 for p in passes if p["wrong_bytes"])
+            results.update(_stop_reader(reader))
             fo.servers[-1].terminate(timeout=TIMEOUT)
             # Only servers that stopped gracefully wrote their counts.
             results["resent_requests"] = sum(
@@ -98,6 +94,17 @@ def _stalls(reader: Reader, windows: list[tuple[float, float]]) -> dict[str, obj
         "stall_max_ms": round(max(stalls) * 1000, 1),
         "stalls_ms": [round(s * 1000, 1) for s in stalls],
         "restart_ms": [round((d - e) * 1000, 1) for e, d in windows],
+    }
+
+
+def _stop_reader(reader: Reader) -> dict[str, int]:
+    """Stop the reader; how many passes it made, failed and read wrong bytes."""
+    reader.stop(timeout=TIMEOUT)
+    passes = reader.passes()
+    return {
+        "passes": len(passes),
+        "failed_passes": sum(1 for p in passes if not p["ok"]),
+        "wrong_bytes": sum(1 for p in passes if p["wrong_bytes"]),
     }
 
 
@@ -147,11 +154,7 @@ def run_layer_server(rounds: int) -> dict[str, object]:
                     windows.append((event, done))
                     log(f"layer server {mode} round {i + 1}: back after {(done - event) * 1000:.0f} ms")
                 results[mode] = _stalls(reader, windows)
-            reader.stop(timeout=TIMEOUT)
-            passes = reader.passes()
-            results["passes"] = len(passes)
-            results["failed_passes"] = sum(1 for p in passes if not p["ok"])
-            results["wrong_bytes"] = sum(1 for p in passes if p["wrong_bytes"])
+            results.update(_stop_reader(reader))
         finally:
             stop_lazy_node(node)
             registry.stop()

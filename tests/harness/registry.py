@@ -55,6 +55,16 @@ def _serve(workdir: Path, port: int) -> Daemon:
     )
 
 
+def _started(workdir: Path, port: int) -> Registry:
+    """The registry configured in `workdir`, serving; its directory removed if it does not start."""
+    try:
+        daemon = _serve(workdir, port)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    return Registry(daemon=daemon, workdir=workdir, port=port)
+
+
 def _config(storage: Path, port: int) -> str:
     # JSON is valid YAML, which saves depending on a YAML writer.
     return json.dumps(
@@ -75,12 +85,7 @@ def start_registry() -> Registry:
     workdir = Path(tempfile.mkdtemp(prefix="bs-reg-", dir="/tmp"))
     port = free_tcp_port()
     (workdir / "config.yml").write_text(_config(workdir / "storage", port))
-    try:
-        daemon = _serve(workdir, port)
-    except BaseException:
-        shutil.rmtree(workdir, ignore_errors=True)
-        raise
-    return Registry(daemon=daemon, workdir=workdir, port=port)
+    return _started(workdir, port)
 
 
 USER, PASSWORD = "trainer", "s3cret-pass"
@@ -146,12 +151,7 @@ def start_pull_through_cache(remote_url: str) -> Registry:
     del config["storage"]["delete"]  # a proxy-mode registry refuses deletes
     config["proxy"] = {"remoteurl": remote_url}
     (workdir / "config.yml").write_text(json.dumps(config))
-    try:
-        daemon = _serve(workdir, port)
-    except BaseException:
-        shutil.rmtree(workdir, ignore_errors=True)
-        raise
-    return Registry(daemon=daemon, workdir=workdir, port=port)
+    return _started(workdir, port)
 
 
 def cached_blob(cache: Registry, digest: str) -> bool:
