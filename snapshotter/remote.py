@@ -286,8 +286,8 @@ class RemoteLayers:
             # Stored by an older bootseer (format 1, or unsigned) or signed by
             # a key no longer trusted. The layer server goes on serving it to
             # the containers that use it; a new snapshot may use it only if it
-            # is the very blob a trusted key signed.
-            _, _, blob = self._fetch_index(ref, manifest_digest, layer_digest)
+            # is the very blob a trusted key signed (no need to fetch it then).
+            blob = self._trusted_blob(ref, manifest_digest, layer_digest)
             if blob.digest != stored_digest:
                 raise NotLazy(
                     Reason.INDEX_REFUSED,
@@ -295,6 +295,7 @@ class RemoteLayers:
                     f"by an older bootseer or from an index no trusted key signed) than the trusted {blob.digest}; "
                     "the layer unpacks the normal way until no snapshot uses that copy and it is pruned",
                 )
+            self._check_index(ref, manifest_digest, layer_digest, stored, blob.digest)
             return stored
         index, encoded, blob = self._fetch_index(ref, manifest_digest, layer_digest)
         source = LayerSource(ref=ref.name, digest=layer_digest, signature=Signature.from_annotations(blob.annotations))
@@ -366,6 +367,19 @@ class RemoteLayers:
         self, ref: Reference, manifest_digest: str, layer_digest: str
     ) -> tuple[LayerIndex, bytes, Descriptor]:
         """The trusted index of a layer, its encoding and its blob's descriptor."""
+        blob = self._trusted_blob(ref, manifest_digest, layer_digest)
+        buffer = io.BytesIO()
+        self.client.fetch_blob(ref, blob.digest, buffer)
+        encoded = buffer.getvalue()
+        try:
+            index = LayerIndex.decode(encoded)
+        except IndexFormatError as exc:
+            raise NotLazy(Reason.INDEX_REFUSED, f"the index of {layer_digest} is unusable: {exc}") from None
+        self._check_index(ref, manifest_digest, layer_digest, index, blob.digest)
+        return index, encoded, blob
+
+    def _trusted_blob(self, ref: Reference, manifest_digest: str, layer_digest: str) -> Descriptor:
+        """The descriptor of the newest index blob of the layer a trusted key signed."""
         indexes = self._index_blobs(ref, manifest_digest)
         blob = indexes.trusted.get(layer_digest)
         if blob is None:
@@ -375,16 +389,15 @@ class RemoteLayers:
                     Reason.LAYER_NOT_INDEXED, f"the index artifact of {manifest_digest} has no entry for {layer_digest}"
                 )
             raise NotLazy(Reason.INDEX_UNTRUSTED, f"layer {layer_digest}: {self.trust.refusal(newest)}")
-        buffer = io.BytesIO()
-        self.client.fetch_blob(ref, blob.digest, buffer)
-        encoded = buffer.getvalue()
-        try:
-            index = LayerIndex.decode(encoded)
-        except IndexFormatError as exc:
-            raise NotLazy(Reason.INDEX_REFUSED, f"the index of {layer_digest} is unusable: {exc}") from None
+        return blob
+
+    def _check_index(
+        self, ref: Reference, manifest_digest: str, layer_digest: str, index: LayerIndex, blob_digest: str
+    ) -> None:
+        """Refuse (NotLazy) an index that does not describe exactly this layer."""
         if index.layer_digest != layer_digest:
             raise NotLazy(
-                Reason.INDEX_REFUSED, f"the index {blob.digest} describes {index.layer_digest}, not {layer_digest}"
+                Reason.INDEX_REFUSED, f"the index {blob_digest} describes {index.layer_digest}, not {layer_digest}"
             )
         if not index.diff_id:
             raise NotLazy(
@@ -403,7 +416,6 @@ class RemoteLayers:
                 f"the index of {layer_digest} describes a blob of {index.compressed_size} bytes, "
                 f"the image manifest's layer has {size}: the index does not cover the whole layer",
             )
-        return index, encoded, blob
 
     def _index_blobs(self, ref: Reference, manifest_digest: str) -> ImageIndexes:
         with self._lock:
