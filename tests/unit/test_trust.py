@@ -7,10 +7,12 @@ from __future__ import annotations
 import io
 import json
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
 import pytest
+import structlog
 
 from bootseer import cli
 from bootseer.config import ConfigError
@@ -291,6 +293,16 @@ def test_keygen_writes_a_private_key_only_root_reads_and_never_replaces_one(
     assert "refusing to replace a key" in capsys.readouterr().err and private.read_bytes() == before
 
 
+@pytest.fixture
+def cli_logging() -> Iterator[None]:
+    """The command configures structlog to print to the stderr it sees,
+    here capsys's, which closes after the test: later tests' loggers get
+    the unconfigured defaults back."""
+    yield
+    structlog.reset_defaults()
+
+
+@pytest.mark.usefixtures("cli_logging")
 def test_bootseer_index_refuses_a_signing_key_it_cannot_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     public = tmp_path / "key.pub"
     public.write_bytes(generate().public_pem)
