@@ -30,10 +30,10 @@ it; a node that finds a manifest published does not contend at all.
 Reads go to the hosts that take pushes (the registry itself, never a
 caching mirror, whose stale answer would break the argument), and any error
 counts as losing: errors only ever mean fewer winners. A node without push
-rights loses at its first write (`REFUSED`). Losers delete their claim,
-the winner its own once Y and W are set; Y and W hold the same bytes for
-every round and attempt, so an image keeps one small "taken" manifest, under
-two tags per attempt it was contended in.
+rights (401 or 403 at its first write) is `REFUSED`. Losers delete their
+claim, the winner its own once Y and W are set; Y and W hold the same bytes
+for every round and attempt, so an image keeps one small "taken" manifest,
+under two tags per attempt it was contended in.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import structlog
 from snapshotter.registry import media
 from snapshotter.registry.artifact import EMPTY_CONFIG, empty_config
 from snapshotter.registry.client import RegistryClient
-from snapshotter.registry.errors import NotFound, RegistryError
+from snapshotter.registry.errors import NotFound, RegistryError, Unauthorized
 from snapshotter.registry.reference import Reference
 
 log = structlog.get_logger("bootseer.hotblocks")
@@ -104,6 +104,23 @@ def _exists(client: RegistryClient, ref: Reference, tag: str) -> bool:
     return True
 
 
+def _push_claim(client: RegistryClient, ref: Reference, claim: bytes, tag: str) -> None:
+    """Push `claim` and the empty blob it names, twice if need be:
+    distribution commits concurrent uploads of one blob by moving each into
+    place, so a contender's manifest can briefly find the blob unknown
+    (400 MANIFEST_BLOB_UNKNOWN) while another's upload lands."""
+    for attempt in range(2):
+        try:
+            client.push_blob(ref, EMPTY_CONFIG, media_type=media.OCI_EMPTY)
+            client.push_manifest(ref, claim, media.OCI_MANIFEST, tag=tag)
+            return
+        except Unauthorized:
+            raise
+        except RegistryError:
+            if attempt:
+                raise
+
+
 def _delete(client: RegistryClient, ref: Reference, digest: str) -> None:
     try:
         client.delete_manifest(ref, digest)
@@ -145,11 +162,13 @@ def elect(client: RegistryClient, ref: Reference, image: str, round_: int, attem
     mine = _claim(image, secrets.token_hex(16))
     digest = media.digest_of(mine)
     try:
-        client.push_blob(ref, EMPTY_CONFIG, media_type=media.OCI_EMPTY)
-        client.push_manifest(ref, mine, media.OCI_MANIFEST, tag=x_tag)
-    except RegistryError as exc:
+        _push_claim(client, ref, mine, x_tag)
+    except Unauthorized as exc:
         log.info("publish election: this node may not push", image=image, error=str(exc))
         return Outcome.REFUSED, ""
+    except RegistryError as exc:
+        log.info("publish election lost to an error", image=image, error=str(exc))
+        return Outcome.LOST, ""
     won = False
     try:
         if not _exists(client, ref, y_tag):
