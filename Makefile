@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PROTOS := $(shell find proto -name '*.proto' | sort)
 
-.PHONY: setup proto lint demo test test-unit bench bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss bench-failover clean
+.PHONY: setup proto lint demo test test-unit bench bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss bench-failover bench-jobstart clean
 
 setup:
 	@scripts/setup.sh
@@ -30,7 +30,7 @@ test: lint
 test-unit: setup
 	$(PY) -m pytest -ra -m "not integration" $(PYTEST_ARGS)
 
-bench: bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss bench-failover
+bench: bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss bench-failover bench-jobstart
 
 bench-snapshots: setup
 	$(PY) -m bench.snapshots_latency
@@ -52,6 +52,9 @@ bench-rss: setup
 
 bench-failover: setup
 	$(PY) -m bench.failover
+
+bench-jobstart: setup
+	$(PY) -m bench.jobstart
 
 clean:
 	rm -rf .venv build *.egg-info

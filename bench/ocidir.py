@@ -113,11 +113,21 @@ def write_layout(
     cmd: Sequence[str],
     env: Sequence[str],
     tag: str = "latest",
+    base: ImageLayout | None = None,
 ) -> ImageLayout:
-    """An amd64/linux OCI layout of `layer_dirs` (bottom first), one tag."""
+    """An amd64/linux OCI layout of `layer_dirs` (bottom first), one tag;
+    on top of `base`'s layers (hard-linked, not copied), as a Dockerfile's
+    FROM would have them."""
     blob_dir = directory / "blobs" / "sha256"
     blob_dir.mkdir(parents=True, exist_ok=True)
-    layers = [write_layer(d, blob_dir) for d in layer_dirs]
+    layers: list[tuple[str, str, int]] = []
+    if base is not None:
+        for diff_id, digest, size in zip(base.diff_ids, base.layer_digests, base.layer_sizes, strict=True):
+            name = digest.removeprefix("sha256:")
+            if not (blob_dir / name).exists():
+                os.link(base.directory / "blobs" / "sha256" / name, blob_dir / name)
+            layers.append((diff_id, digest, size))
+    layers += [write_layer(d, blob_dir) for d in layer_dirs]
     config = _json_blob(
         blob_dir,
         {

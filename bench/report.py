@@ -46,6 +46,7 @@ def machine() -> dict[str, Any]:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "containerd": containerd.stdout.strip(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
     }
 
 

@@ -1,5 +1,6 @@
 """What every command shares: the common flags, loading the config file with
-flags applied on top, and the one error a command raises to fail.
+flags applied on top, the process's event log, and the one error a command
+raises to fail.
 
 Exit codes, for every command: 0 done, 1 the work failed (`CommandError`),
 2 the command line or the config file is wrong (argparse, `ConfigError`).
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import eventlog
 from bootseer import config as config_mod
 from bootseer import log
 
@@ -58,3 +60,10 @@ def override(section: object, args: argparse.Namespace, **fields: str) -> None:
         value = getattr(args, flag)
         if value is not None:
             setattr(section, field_name, value)
+
+
+def configure_events(cfg: config_mod.Config, name: str) -> None:
+    """The event log of this process, from the config's [events] section:
+    what each composition root calls before it serves."""
+    events = cfg.events
+    eventlog.configure(events.dir, name, events.max_bytes, events.summary_interval_s)

@@ -11,6 +11,7 @@ pod's image can carry it as one file: `bootseer depsnap pod-client -o
 depsnap-client.pyz` writes a zipapp that any Python 3.11+ runs:
 
     python3 depsnap-client.pyz ensure -r requirements.txt --target /opt/env
+    python3 depsnap-client.pyz mark ready    # before the first step, for `bootseer report`
 """
 
 from __future__ import annotations
@@ -176,12 +177,28 @@ def add_ensure_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--python", type=Path, default=Path(sys.executable), help="interpreter for the environment")
     parser.add_argument("--installer", choices=installer.INSTALLERS, default="pip")
     parser.add_argument("--base-image", help="digest of the container image this runs in (or BOOTSEER_BASE_IMAGE)")
+    add_socket_argument(parser)
+
+
+def add_socket_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--socket",
         type=Path,
         default=Path(os.environ.get(SOCKET_ENV, DEFAULT_SOCKET)),
         help=f"the node daemon's socket, bind-mounted into the pod (default {DEFAULT_SOCKET} or ${SOCKET_ENV})",
     )
+
+
+def _send_mark(name: str, daemon: Daemon) -> int:
+    """A mark is worth a warning, never a failed job: without a daemon the
+    report only lacks the mark."""
+    try:
+        daemon.call({"op": "mark", "name": name})
+    except (DaemonUnavailable, PodRefused) as exc:
+        _warn(f"mark {name!r} not recorded: {exc}")
+        return 0
+    print(f"depsnap: mark {name} recorded", flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +211,14 @@ def main(argv: list[str] | None = None) -> int:
         "ensure", help="mount the environment from the node, or install it and have it captured"
     )
     add_ensure_arguments(ensure)
+    mark = commands.add_parser(
+        "mark", help="record that the job reached NAME (e.g. ready), for `bootseer report` on the node"
+    )
+    mark.add_argument("name", metavar="NAME", nargs="?", default="ready")
+    add_socket_argument(mark)
     args = parser.parse_args(argv)
+    if args.command == "mark":
+        return _send_mark(args.name, Daemon(args.socket))
     request = EnvRequest(args.requirement, args.target, args.python, args.installer, args.base_image)
     try:
         outcome = pod_ensure(request, Daemon(args.socket))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -62,23 +63,39 @@ def _unmount_all(target: Path) -> None:
 
 def _wait_for_server(side: Path) -> None:
     """Wait for the lazy server to exit after its unmount, so a released
-    environment leaves no process behind."""
+    environment leaves no process behind; one still there after the grace
+    period (a read stuck on a store that went away) is killed: with its
+    mount gone it serves nobody."""
     try:
         pid = int((side / "server.pid").read_text())
     except (FileNotFoundError, ValueError):
         return
-    deadline = time.monotonic() + _SERVER_EXIT_S
+    if _exited(pid, _SERVER_EXIT_S):
+        return
+    try:
+        # The server leads a session of its own (it calls setsid): a PID that
+        # does not is not ours any more.
+        if os.getsid(pid) == pid:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    _exited(pid, _SERVER_EXIT_S)
+
+
+def _exited(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
             # This process started it (a restore that failed half-way): reap it.
             if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
+                return True
         except ChildProcessError:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                return
+                return True
         time.sleep(0.02)
+    return False
 
 
 def restore_lazily(store_uri: str, cache: Cache, target: Path, key: str) -> None:

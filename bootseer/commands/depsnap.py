@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bootseer.commands.report import configure_events
-from bootseer.options import EXIT_USAGE, CommandError, add_common_arguments, load_config, override
+from bootseer.options import EXIT_USAGE, CommandError, add_common_arguments, configure_events, load_config, override
 from depsnap.settings import DepsnapConfig
 
 if TYPE_CHECKING:

@@ -8,8 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bootseer.commands.report import configure_events
-from bootseer.options import CommandError, add_common_arguments, load_config
+from bootseer.options import CommandError, add_common_arguments, configure_events, load_config
 from hdfs_fuse.settings import HdfsFuseConfig, parse_bool, parse_size
 
 # (config field, value parser, help) for every tunable; each becomes a flag

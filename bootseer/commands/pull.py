@@ -8,8 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from bootseer.commands.report import configure_events
-from bootseer.options import CommandError, add_common_arguments, load_config
+from bootseer.options import CommandError, add_common_arguments, configure_events, load_config
 from snapshotter.containerd_client import DEFAULT_ADDRESS, ContainerdClient
 from snapshotter.pull import DEFAULT_SNAPSHOTTER, Puller, PullError
 from snapshotter.registry.config import client_from_config

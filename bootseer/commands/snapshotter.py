@@ -7,8 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bootseer.commands.report import configure_events
-from bootseer.options import EXIT_USAGE, CommandError, add_common_arguments, load_config, override
+from bootseer.options import EXIT_USAGE, CommandError, add_common_arguments, configure_events, load_config, override
 from snapshotter.layer.index import DEFAULT_SPAN, MAX_BLOCK_BYTES
 
 

@@ -89,6 +89,8 @@ def pod_daemon(work: Work) -> Iterator[Path]:
         f'cache_dir = "{work.root / "node-cache"}"\n'
         f'store = "{work.store}"\n'
         f'pod_targets = ["{TARGET}"]\n'
+        "[events]\n"
+        f'dir = "{work.root / "events"}"\n'
     )
     proc: Daemon = start_daemon(
         "depsnap-serve",
@@ -295,6 +297,28 @@ def test_a_target_outside_the_allow_list_is_refused(
     assert "\n0\n" in stdout
     assert "pod-attach REFUSED" in stdout and "target /etc is not among" in stdout, stdout
     assert "pod-capture REFUSED" in stdout and "must not contain '.' or '..'" in stdout, stdout
+
+
+def test_a_pod_marks_its_ready_point_for_the_report(
+    pod_node: PodNode, work: Work, wheelhouse: Path, pod_daemon: Path
+) -> None:
+    """The mark a job emits from the pod reaches the node's event records
+    with the pod's cgroup, which is how `bootseer report` finds its container."""
+    stdout = ok(run_pod(pod_node, work, wheelhouse, pod_daemon, f"{CLIENT} mark ready\ncat /proc/self/cgroup"))
+    assert "depsnap: mark ready recorded" in stdout, stdout
+    pod_cgroup = stdout.strip().splitlines()[-1].split(":", 2)[2]
+    records = [json.loads(line) for line in (work.root / "events" / "depsnap.jsonl").read_text().splitlines()]
+    marks = [r for r in records if r["kind"] == "mark"]
+    assert len(marks) == 1 and marks[0]["name"] == "ready", marks
+    assert pod_cgroup in marks[0]["cgroup"].split(";"), (pod_cgroup, marks)
+
+
+def test_a_mark_without_a_daemon_warns_and_the_job_goes_on(pod_node: PodNode, work: Work, wheelhouse: Path) -> None:
+    nowhere = work.root / "no-daemon" / "depsnap.sock"
+    nowhere.parent.mkdir()
+    result = run_pod(pod_node, work, wheelhouse, nowhere, f"{CLIENT} mark ready && echo went-on")
+    assert "went-on" in ok(result)
+    assert "mark 'ready' not recorded: no depsnap daemon answers" in result.stderr, result.stderr
 
 
 def test_only_a_privileged_caller_may_put_discard_or_name_a_store(work: Work, pod_daemon: Path) -> None:

@@ -32,7 +32,7 @@ http {{
     sendfile on;
     keepalive_requests 100000;
     server {{
-        listen 127.0.0.1:{port};
+        listen {host}:{port};
         root {root};
         location / {{
 {directives}
@@ -48,11 +48,14 @@ class Nginx:
     port: int
     state: Path
     limit_rate: str
+    host: str = "127.0.0.1"
+    # A network namespace to serve from (`ip netns exec`), listening on `host` there.
+    netns: str = ""
     daemon: Daemon | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def access_log(self) -> Path:
@@ -60,11 +63,12 @@ class Nginx:
 
     def start(self) -> None:
         conf = self.state / "nginx.conf"
+        within = ["ip", "netns", "exec", self.netns] if self.netns else []
         self.daemon = start_daemon(
             "nginx",
-            ["nginx", "-p", str(self.state), "-c", str(conf), "-e", str(self.state / "error.log")],
+            [*within, "nginx", "-p", str(self.state), "-c", str(conf), "-e", str(self.state / "error.log")],
             self.state / "nginx.out",
-            ready=lambda: tcp_port_answers("127.0.0.1", self.port),
+            ready=lambda: tcp_port_answers(self.host, self.port),
         )
 
     def stop(self) -> None:
@@ -88,11 +92,14 @@ def start_nginx(
     autoindex: bool = True,
     writable: bool = False,
     parent: Path | None = None,
+    host: str = "127.0.0.1",
+    netns: str = "",
 ) -> Nginx:
     """nginx serving `root`. `limit_rate` per connection ("0": unlimited,
     "25m", or bytes/s); `autoindex`: directories as JSON listings;
     `writable`: PUT and DELETE (with parent directories made on PUT); the
-    config, logs and pid live in a new directory under `parent` (/tmp)."""
+    config, logs and pid live in a new directory under `parent` (/tmp);
+    `netns`: served from that network namespace, on its address `host`."""
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)
     state = Path(tempfile.mkdtemp(prefix="bs-nginx-", dir=parent or "/tmp"))
@@ -112,13 +119,14 @@ def start_nginx(
             user=user,
             workers=workers,
             state=state,
+            host=host,
             port=port,
             root=root.absolute(),
             directives="\n".join(" " * 12 + d for d in directives),
             access_log=f"{state}/access.log" if access_log else "off",
         )
     )
-    server = Nginx(root=root, port=port, state=state, limit_rate=str(limit_rate))
+    server = Nginx(root=root, port=port, state=state, limit_rate=str(limit_rate), host=host, netns=netns)
     try:
         server.start()
     except BaseException:

@@ -12,6 +12,7 @@ import pytest
 
 import eventlog
 from bootseer.commands import report
+from eventlog import startreport
 from snapshotter.fs.metrics import ImageStarts
 
 CID = "job-1"
@@ -116,15 +117,15 @@ def records() -> list[dict[str, Any]]:
     ]
 
 
-def build() -> report.StartReport:
-    return report.build(report.Container(CID, IMAGE, T + 2.5), records(), "ready", 600.0)
+def build() -> startreport.StartReport:
+    return startreport.build(startreport.Container(CID, IMAGE, T + 2.5), records(), "ready", 600.0, report.same_image)
 
 
 def test_segments_partition_the_window_from_pull_to_ready() -> None:
     rep = build()
     assert rep.began_with == "pull" and rep.ready_mark
     assert rep.start == T and rep.end == T + 10.0
-    assert sum(s.seconds for s in rep.segments) == pytest.approx(rep.wall_s, abs=report.TOLERANCE_S)
+    assert sum(s.seconds for s in rep.segments) == pytest.approx(rep.wall_s, abs=startreport.TOLERANCE_S)
     # Back to back, in order.
     for a, b in zip(rep.segments, rep.segments[1:], strict=False):
         assert a.end == b.start
@@ -164,18 +165,18 @@ def test_json_schema() -> None:
         "checkpoint",
     }
     assert all(set(s) == {"name", "start", "end", "seconds"} for s in doc["segments"])
-    assert doc["consistency"]["sum_s"] == pytest.approx(doc["wall_s"], abs=report.TOLERANCE_S)
+    assert doc["consistency"]["sum_s"] == pytest.approx(doc["wall_s"], abs=startreport.TOLERANCE_S)
     json.dumps(doc)
-    node = report.node_summary([build(), build()])
+    node = startreport.node_summary([build(), build()])
     assert node["containers"] == 2 and node["wall_s"] == pytest.approx(20.0)
 
 
 def test_without_pull_or_mark_the_window_is_creation_to_the_last_record() -> None:
     recs = [r for r in records() if r["kind"] not in ("pull", "prepare", "mark")]
-    rep = report.build(report.Container(CID, IMAGE, T + 2.5), recs, "ready", 600.0)
+    rep = startreport.build(startreport.Container(CID, IMAGE, T + 2.5), recs, "ready", 600.0, report.same_image)
     assert rep.began_with == "create" and not rep.ready_mark
     assert rep.start == T + 2.5 and rep.end == T + 9.0
-    assert sum(s.seconds for s in rep.segments) == pytest.approx(rep.wall_s, abs=report.TOLERANCE_S)
+    assert sum(s.seconds for s in rep.segments) == pytest.approx(rep.wall_s, abs=startreport.TOLERANCE_S)
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.commands.report import TOLERANCE_S
+from eventlog.startreport import TOLERANCE_S
 from tests.harness.containerd import Containerd, start_containerd
 from tests.harness.layerserver import LayerServer, LazyConfig
 from tests.harness.lazynode import LazyNode, _stop
