@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PROTOS := $(shell find proto -name '*.proto' | sort)
 
-.PHONY: setup proto lint demo test test-unit bench bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss bench-failover bench-jobstart clean
+.PHONY: setup proto lint demo test test-unit bench bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss bench-failover bench-jobstart bench-scale clean
 
 setup:
 	@scripts/setup.sh
@@ -30,7 +30,7 @@ test: lint
 test-unit: setup
 	$(PY) -m pytest -ra -m "not integration" $(PYTEST_ARGS)
 
-bench: bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss bench-failover bench-jobstart
+bench: bench-snapshots bench-startup bench-fuse bench-checkpoint bench-depsnap bench-rss bench-failover bench-jobstart bench-scale
 
 bench-snapshots: setup
 	$(PY) -m bench.snapshots_latency
@@ -55,6 +55,9 @@ bench-failover: setup
 
 bench-jobstart: setup
 	$(PY) -m bench.jobstart
+
+bench-scale: setup
+	$(PY) -m bench.scale
 
 clean:
 	rm -rf .venv build *.egg-info

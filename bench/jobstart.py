@@ -60,18 +60,18 @@ import matplotlib.pyplot as plt
 
 from bench import image, link, ocidir, report
 from bench.jobtimeline import MODES, PHASES, Run, limit_s, parse_output, phases, ratios, round_order, summarise
-from bench.node import Node
+from bench.node import Node, index_image, start_node
 from bench.report import log
 from depsnap.podclient import write_zipapp
 from hdfs_fuse import mountinfo
 from snapshotter.fs.settings import FsConfig
 from tests.harness.containerd import BindMount, Containerd, start_containerd
-from tests.harness.layerserver import LayerServer, LazyConfig
+from tests.harness.layerserver import LazyConfig
 from tests.harness.nginx import Nginx, remove, start_nginx
 from tests.harness.oci import ImageLayout, push
 from tests.harness.procs import Daemon, start_daemon, unix_socket_answers
 from tests.harness.registry import uploaded_hot_manifests
-from tests.harness.snapshotter import BOOTSEER_BIN, start_snapshotter
+from tests.harness.snapshotter import BOOTSEER_BIN
 from tests.harness.tree import drop_page_cache
 
 NAME = "jobstart"
@@ -136,11 +136,6 @@ def _job_layout(base: image.BuiltImage, requirements: tuple[str, ...], log_: Cal
     )
     shutil.rmtree(home / "stage")
     return layout
-
-
-def _manifest_digest(layout: ImageLayout) -> str:
-    index = json.loads((layout.directory / "index.json").read_text())
-    return str(index["manifests"][0]["digest"])
 
 
 def _wheelhouse(requirements: tuple[str, ...], log_: Callable[[str], None]) -> Path:
@@ -238,21 +233,6 @@ def servers(work: Workload, per_stream: str, scratch: Path) -> Iterator[Servers]
 
 
 @dataclass
-class JobConfig(LazyConfig):
-    """A bootseer node's config with the sections a whole job start needs:
-    event records (for `bootseer report`), depsnap and hdfs-fuse."""
-
-    extra: str = ""
-
-    def write(self) -> Path:
-        path = super().write()
-        # Debug logging of every FUSE call would be part of what is measured.
-        text = path.read_text().replace('level = "debug"', 'level = "info"', 1)
-        path.write_text(text + self.extra)
-        return path
-
-
-@dataclass
 class JobNode:
     """One fresh bootseer node: layer server, snapshotter, containerd,
     depsnap daemon and an hdfs-fuse mount of the checkpoint server."""
@@ -284,63 +264,49 @@ class JobNode:
 
 
 def start_job_node(s: Servers, store_prefix: str) -> JobNode:
-    workdir = Path(tempfile.mkdtemp(prefix="bs-job-", dir="/tmp"))
-    socket = workdir / "depsnap" / "depsnap.sock"
-    defaults = FsConfig()
-    config = JobConfig(
-        workdir,
-        [s.registry.host],
-        hot_blocks=True,
-        # The recording ends at the first step (`_publish`), not by idling.
-        record_idle_s=defaults.record_max_s,
-        record_max_s=defaults.record_max_s,
-        whole_layer_bytes=defaults.whole_layer_bytes,
-        extra=(
+    def sections(workdir: Path) -> str:
+        return (
             f'\n[events]\ndir = "{workdir / "events"}"\nsummary_interval_s = 0.5\n'
-            f'\n[depsnap]\nsocket = "{socket}"\ncache_dir = "{workdir / "depsnap-cache"}"\n'
+            f'\n[depsnap]\nsocket = "{workdir / "depsnap" / "depsnap.sock"}"\n'
+            f'cache_dir = "{workdir / "depsnap-cache"}"\n'
             f'store = "{s.store_url(store_prefix)}"\npod_targets = ["{ENV_TARGET}"]\n'
-        ),
-    )
-    config.write()
-    stack = ExitStack()
-    with stack:
-        layers = LayerServer(config)
-        stack.callback(layers.teardown)
-        layers.start()
-        snapshotter = start_snapshotter(["--config", str(config.path), "--log-level", "info"])
-        stack.callback(snapshotter.teardown)
-        containerd = start_containerd(snapshotter.address)
-        stack.callback(containerd.stop)
-        containerd.wait_snapshotter()
-        node = JobNode(Node(layers, snapshotter, containerd), config.path, socket.parent, workdir / "ckpt")
-        node.daemons.append(
+        )
+
+    # The recording ends at the first step (`Bench._publish`), not by idling.
+    node = start_node([s.registry.host], hot_blocks=True, extra_config=sections, record_idle_s=FsConfig().record_max_s)
+    workdir = node.layers.config.workdir
+    job = JobNode(node, node.layers.config.path, workdir / "depsnap", workdir / "ckpt")
+    socket = job.socket_dir / "depsnap.sock"
+    try:
+        job.daemons.append(
             start_daemon(
                 "depsnap serve",
-                node.argv("depsnap serve", "--log-format", "json"),
+                job.argv("depsnap serve", "--log-format", "json"),
                 workdir / "depsnap.log",
                 ready=lambda: unix_socket_answers(socket),
             )
         )
-        stack.callback(node.daemons[-1].stop)
-        node.checkpoint_mount.mkdir()
-        node.daemons.append(
+        job.checkpoint_mount.mkdir()
+        job.daemons.append(
             start_daemon(
                 "hdfs-fuse",
-                node.argv(
+                job.argv(
                     "hdfs-fuse mount",
                     "--foreground",
                     "--log-format",
                     "json",
                     "--allow-other",
                     f"{s.checkpoints.url}/",
-                    str(node.checkpoint_mount),
+                    str(job.checkpoint_mount),
                 ),
                 workdir / "hdfs-fuse.log",
-                ready=lambda: mountinfo.current(node.checkpoint_mount) is not None,
+                ready=lambda: mountinfo.current(job.checkpoint_mount) is not None,
             )
         )
-        stack.pop_all()
-    return node
+    except BaseException:
+        job.teardown()
+        raise
+    return job
 
 
 def _plain_containerd() -> Containerd:
@@ -417,15 +383,7 @@ class Bench:
         nonce = uuid.uuid4().hex[:8]
         ref = f"{self.servers.registry.host}/bench/job-{nonce}:v1"
         push(self.work.layout, ref)
-        done = subprocess.run(
-            [str(BOOTSEER_BIN), "index", "--config", str(self.indexer), "--quiet", ref],
-            capture_output=True,
-            text=True,
-            timeout=STEP_TIMEOUT,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"bootseer index {ref} failed:\n{done.stdout}\n{done.stderr}")
+        index_image(self.indexer, ref, STEP_TIMEOUT)
         return Round(number, ref, f"round-{nonce}")
 
     def run(self, mode: str, rnd: Round) -> Run:
@@ -608,7 +566,7 @@ def main() -> None:
     checkpoint, head = _checkpoint(args.checkpoint_mib, log)
     work = Workload(
         layout=layout,
-        manifest_digest=_manifest_digest(layout),
+        manifest_digest=ocidir.manifest_digest(layout),
         image_bytes=sum(layout.layer_sizes),
         wheels=_wheelhouse(requirements, log),
         checkpoint=checkpoint,
@@ -625,7 +583,7 @@ def main() -> None:
     by_mode: dict[str, list[Run]] = {m: [] for m in modes}
     try:
         with servers(work, args.per_stream, scratch) as s:
-            indexer = JobConfig(scratch / "indexer", [s.registry.host])
+            indexer = LazyConfig(scratch / "indexer", [s.registry.host])
             indexer.workdir.mkdir()
             indexer.write()
             warm = None

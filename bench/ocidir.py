@@ -185,3 +185,10 @@ def read_layout(directory: Path) -> ImageLayout:
         layer_digests=tuple(layer["digest"] for layer in manifest["layers"]),
         layer_sizes=tuple(layer["size"] for layer in manifest["layers"]),
     )
+
+
+def manifest_digest(layout: ImageLayout) -> str:
+    """The digest of the layout's image manifest: what a registry it is
+    copied to unchanged names it by."""
+    index = json.loads((layout.directory / "index.json").read_text())
+    return str(index["manifests"][0]["digest"])

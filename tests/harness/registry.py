@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import bcrypt
 
@@ -161,15 +162,23 @@ def cached_blob(cache: Registry, digest: str) -> bool:
     return (data / "data").is_file()
 
 
-def _v2(registry: Registry) -> Path:
+class Storage(Protocol):
+    """A registry whose filesystem storage lies under `workdir/storage`
+    (this module's and the benchmarks' network-namespace one)."""
+
+    @property
+    def workdir(self) -> Path: ...
+
+
+def _v2(registry: Storage) -> Path:
     return registry.workdir / "storage" / "docker" / "registry" / "v2"
 
 
-def _blob(registry: Registry, hex_part: str) -> Path:
+def _blob(registry: Storage, hex_part: str) -> Path:
     return _v2(registry) / "blobs" / "sha256" / hex_part[:2] / hex_part / "data"
 
 
-def stored_manifests(registry: Registry, repository: str) -> dict[str, bytes]:
+def stored_manifests(registry: Storage, repository: str) -> dict[str, bytes]:
     """The manifests `repository` holds now, by digest, read from the
     registry's storage (a deleted manifest loses its revision link)."""
     revisions = _v2(registry) / "repositories" / repository / "_manifests" / "revisions" / "sha256"
@@ -182,7 +191,7 @@ def stored_manifests(registry: Registry, repository: str) -> dict[str, bytes]:
     }
 
 
-def uploaded_hot_manifests(registry: Registry, image: str) -> int:
+def uploaded_hot_manifests(registry: Storage, image: str) -> int:
     """How many distinct hot-block manifests of `image` were ever uploaded:
     their blobs stay in storage after their artifacts are deleted (until a
     garbage collection), so this counts pushes whatever was pruned since."""
