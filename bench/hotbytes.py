@@ -51,6 +51,10 @@ from tests.harness.tree import drop_page_cache
 MAP_STEP = 16 * 1024
 MAP_FORMAT = 1
 PAGE = mmap.PAGESIZE
+# Spans whose cost the measurement reports next to the bytes read: what
+# fetching whole blocks between checkpoints that far apart moves for the same
+# reads (the span is the fetch unit bootseer's index is built with).
+SIMULATED_SPANS = (4 << 20, 2 << 20, 1 << 20, 512 << 10)
 
 
 # -- pure arithmetic (unit-tested) ---------------------------------------------
@@ -101,6 +105,19 @@ class OffsetMap:
             return 0
         ends = np.array(ranges, dtype=np.float64)
         return round(float(np.sum(self.compressed_at(ends[:, 1]) - self.compressed_at(ends[:, 0]))))
+
+    def block_bytes(self, ranges: list[tuple[int, int]], span: int) -> int:
+        """The compressed bytes of the `span`-sized blocks of the uncompressed
+        stream that the merged `ranges` touch, each block whole. Checkpoints
+        are taken as exactly `span` apart (zran takes each at the first
+        deflate block boundary past that): the cost of fetching in blocks,
+        before any read-ahead."""
+        touched = sorted({k for start, end in ranges for k in range(start // span, (end - 1) // span + 1)})
+        if not touched:
+            return 0
+        starts = np.array(touched, dtype=np.float64) * span
+        ends = np.minimum(starts + span, float(self.uncompressed[-1]))
+        return round(float(np.sum(self.compressed_at(ends) - self.compressed_at(starts))))
 
 
 # -- one layer's map, cached ---------------------------------------------------
@@ -252,6 +269,8 @@ class LayerHot:
     files_read: int
     uncompressed_bytes: int
     compressed_bytes: int
+    # span -> compressed bytes of the blocks of that span the reads touch (OffsetMap.block_bytes)
+    block_bytes: dict[int, int]
 
 
 @dataclass(frozen=True)
@@ -259,6 +278,8 @@ class HotBytes:
     compressed_bytes: int
     uncompressed_bytes: int
     layers: tuple[LayerHot, ...]
+    # span -> the layers' block_bytes summed: what block-granular fetching at that span moves
+    block_bytes: dict[int, int]
     samples_compressed_bytes: tuple[int, ...]  # one per measured start; the largest is reported
     read_ahead_off: bool
     seconds: float
@@ -311,6 +332,7 @@ def measure(
         compressed_bytes=sum(layer.compressed_bytes for layer in layers),
         uncompressed_bytes=sum(layer.uncompressed_bytes for layer in layers),
         layers=tuple(layers),
+        block_bytes={span: sum(layer.block_bytes[span] for layer in layers) for span in SIMULATED_SPANS},
         samples_compressed_bytes=tuple(sum(layer.compressed_bytes for layer in ls) for ls in samples),
         read_ahead_off=_ReadAheadOff(dirs[0]).knob is not None,
         seconds=round(time.monotonic() - started, 2),
@@ -336,7 +358,10 @@ def _one_start(
                 files += 1
                 ranges += [(offset + a, offset + min(b, size)) for a, b in read]
         merged = merge(ranges)
-        layers.append(LayerHot(digest, files, sum(b - a for a, b in merged), lmap.offsets.compressed_bytes(merged)))
+        blocks = {span: lmap.offsets.block_bytes(merged, span) for span in SIMULATED_SPANS}
+        layers.append(
+            LayerHot(digest, files, sum(b - a for a, b in merged), lmap.offsets.compressed_bytes(merged), blocks)
+        )
     return layers
 
 

@@ -387,35 +387,54 @@ class Bench:
         return Round(number, ref, f"round-{nonce}")
 
     def run(self, mode: str, rnd: Round) -> Run:
+        """One timed start. A node's daemons are up before the clock starts,
+        as on a node that has run them for days: the start is the pull, the
+        container and the job."""
+        if mode == "warm":
+            return self._timed(mode, lambda: self._warm(rnd))
+        if mode == "baseline":
+            c = _plain_containerd()
+            try:
+                return self._timed(mode, lambda: self._baseline(c, rnd))
+            finally:
+                left = c.stop()
+                if left:
+                    log(f"warning: mounts left behind: {left}")
+        published = uploaded_hot_manifests(self.servers.registry, self.work.manifest_digest)
+        node = start_job_node(self.servers, rnd.store_prefix)
+        cid = f"job-{mode}-{rnd.number}"
+        try:
+            run = self._timed(mode, lambda: self._bootseer(node, mode, rnd, cid))
+            time.sleep(1.0)  # the layer server's last summary of the image's reads
+            run.report = self._report(node, cid)
+            if mode == "bootseer-first":
+                self._publish(node, rnd.ref, published)
+            node.node.containerd.ctr("containers", "rm", cid, check=False)
+            return run
+        finally:
+            left = node.teardown()
+            if left:
+                log(f"warning: mounts left behind: {left}")
+
+    def _timed(self, mode: str, start: Callable[[], tuple[str, float]]) -> Run:
+        """`start`'s job output and the end of its pull, timed from here."""
         drop_page_cache()
         rx = self.servers.netns.rx_bytes()
         t0 = time.time()
-        if mode == "baseline":
-            output, pull_end, rep = self._baseline(rnd)
-        elif mode == "warm":
-            output, pull_end, rep = self._warm(rnd)
-        else:
-            output, pull_end, rep = self._bootseer(mode, rnd)
+        output, pull_end = start()
         moved = self.servers.netns.rx_bytes() - rx
         job = parse_output(output)
         if job.head_sha256 != self.work.head_sha256:
             raise RuntimeError(f"{mode}: the job read a checkpoint whose head is {job.head_sha256}")
-        return Run(mode, job.marks["step"] - t0, moved, phases(t0, pull_end, job), rep)
+        return Run(mode, job.marks["step"] - t0, moved, phases(t0, pull_end, job))
 
-    def _baseline(self, rnd: Round) -> tuple[str, float, dict[str, Any]]:
-        c = _plain_containerd()
-        try:
-            c.ctr("images", "pull", "--plain-http", "--snapshotter", "overlayfs", rnd.ref, timeout=STEP_TIMEOUT)
-            pull_end = time.time()
-            env = {**_job_env(self.work, "pip", self.servers.checkpoint_url), **_pip_env(self.servers)}
-            output = _run_job(c, "overlayfs", rnd.ref, f"baseline-{rnd.number}", env, ())
-        finally:
-            left = c.stop()
-            if left:
-                log(f"warning: mounts left behind: {left}")
-        return output, pull_end, {}
+    def _baseline(self, c: Containerd, rnd: Round) -> tuple[str, float]:
+        c.ctr("images", "pull", "--plain-http", "--snapshotter", "overlayfs", rnd.ref, timeout=STEP_TIMEOUT)
+        pull_end = time.time()
+        env = {**_job_env(self.work, "pip", self.servers.checkpoint_url), **_pip_env(self.servers)}
+        return _run_job(c, "overlayfs", rnd.ref, f"job-baseline-{rnd.number}", env, ()), pull_end
 
-    def _warm(self, rnd: Round) -> tuple[str, float, dict[str, Any]]:
+    def _warm(self, rnd: Round) -> tuple[str, float]:
         assert self.warm is not None
         env = _job_env(self.work, "present", f"{CHECKPOINT_DIR}/{CHECKPOINT_NAME}")
         mounts = (
@@ -424,38 +443,25 @@ class Bench:
         )
         # Nothing to pull: the phases start with the container.
         started = time.time()
-        return _run_job(self.warm, "overlayfs", self.warm_ref, f"warm-{rnd.number}", env, mounts), started, {}
+        return _run_job(self.warm, "overlayfs", self.warm_ref, f"job-warm-{rnd.number}", env, mounts), started
 
-    def _bootseer(self, mode: str, rnd: Round) -> tuple[str, float, dict[str, Any]]:
-        published = uploaded_hot_manifests(self.servers.registry, self.work.manifest_digest)
-        node = start_job_node(self.servers, rnd.store_prefix)
-        cid = f"{mode}-{rnd.number}"
-        try:
-            pulled = subprocess.run(
-                node.node.pull_command(rnd.ref), capture_output=True, text=True, timeout=STEP_TIMEOUT, check=False
-            )
-            pull_end = time.time()
-            if pulled.returncode != 0:
-                raise RuntimeError(f"bootseer pull failed:\n{pulled.stdout}\n{pulled.stderr}")
-            env = {**_job_env(self.work, "depsnap", f"{CHECKPOINT_DIR}/{CHECKPOINT_NAME}"), **_pip_env(self.servers)}
-            mounts = (
-                BindMount(node.socket_dir, SOCKET_DIR, read_only=True),
-                BindMount(node.checkpoint_mount, CHECKPOINT_DIR, read_only=True, propagation="rslave"),
-            )
-            output = _run_job(node.node.containerd, "bootseer", rnd.ref, cid, env, mounts, keep=True)
-            expected = "depsnap: miss" if mode == "bootseer-first" else "depsnap: hit"
-            if expected not in output:
-                raise RuntimeError(f"{mode}: expected `{expected}` from the pod client:\n{output[-3000:]}")
-            time.sleep(1.0)  # the layer server's last summary of the image's reads
-            rep = self._report(node, cid)
-            if mode == "bootseer-first":
-                self._publish(node, rnd.ref, published)
-            node.node.containerd.ctr("containers", "rm", cid, check=False)
-        finally:
-            left = node.teardown()
-            if left:
-                log(f"warning: mounts left behind: {left}")
-        return output, pull_end, rep
+    def _bootseer(self, node: JobNode, mode: str, rnd: Round, cid: str) -> tuple[str, float]:
+        pulled = subprocess.run(
+            node.node.pull_command(rnd.ref), capture_output=True, text=True, timeout=STEP_TIMEOUT, check=False
+        )
+        pull_end = time.time()
+        if pulled.returncode != 0:
+            raise RuntimeError(f"bootseer pull failed:\n{pulled.stdout}\n{pulled.stderr}")
+        env = {**_job_env(self.work, "depsnap", f"{CHECKPOINT_DIR}/{CHECKPOINT_NAME}"), **_pip_env(self.servers)}
+        mounts = (
+            BindMount(node.socket_dir, SOCKET_DIR, read_only=True),
+            BindMount(node.checkpoint_mount, CHECKPOINT_DIR, read_only=True, propagation="rslave"),
+        )
+        output = _run_job(node.node.containerd, "bootseer", rnd.ref, cid, env, mounts, keep=True)
+        expected = "depsnap: miss" if mode == "bootseer-first" else "depsnap: hit"
+        if expected not in output:
+            raise RuntimeError(f"{mode}: expected `{expected}` from the pod client:\n{output[-3000:]}")
+        return output, pull_end
 
     def _report(self, node: JobNode, cid: str) -> dict[str, Any]:
         c = node.node.containerd
@@ -500,7 +506,7 @@ def _prepare_warm(bench_servers: Servers, work: Workload, scratch: Path) -> tupl
     args.append(BindMount(env_dir, ENV_TARGET).ctr_arg())
     for name, value in _pip_env(bench_servers).items():
         args += ["--env", f"{name}={value}"]
-    warm.ctr(*args, ref, "warm-install", "/bin/sh", "-c", install, timeout=STEP_TIMEOUT)
+    warm.ctr(*args, ref, "job-warm-install", "/bin/sh", "-c", install, timeout=STEP_TIMEOUT)
     return warm, ref, env_dir
 
 

@@ -19,7 +19,8 @@ run per mode; `--modes`, `--link`, `--runs` to pick).
   defaults, then `ctr run --snapshotter stargz`.
 - `lazy-warm`: every block the start reads already in the layer server's
   cache (one node, set up once over the unshaped veth and primed by one
-  start), the start run through the layer mount: the FUSE cost of a warm start.
+  start), the start run through the layer mount: the FUSE cost of a warm start,
+  with the FUSE requests it made by opcode (`layer_server.fuse_requests.*`).
 - time to ready: from the pull's start to the script's READY line.
 - limits: the additive one, warm time + the compressed bytes of the blocks
   the start reads (the hot-block manifest) / link rate; the strict one,
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,10 +293,19 @@ def _run_container(c: Containerd, snapshotter: str, ref: str, container_id: str)
     return ready_at, script
 
 
+_FUSE_REQUESTS = re.compile(r'^bootseer_fs_fuse_requests_total\{opcode="(\w+)"\} (\S+)$', re.MULTILINE)
+
+
 def _layer_server_metrics(node: AnyNode) -> dict[str, float]:
+    """LAYER_SERVER_METRICS, and the FUSE requests the kernel sent by opcode
+    (`fuse_requests.<opcode>`, with their sum as `fuse_requests`): what a
+    warm start through the layer mount costs besides the reads' bytes."""
     if not isinstance(node, Node):
         return {}
-    return {name: node.layers.metric(name) for name in LAYER_SERVER_METRICS}
+    values = {name: node.layers.metric(name) for name in LAYER_SERVER_METRICS}
+    scrape = urllib.request.urlopen(f"http://127.0.0.1:{node.layers.config.metrics_port}/metrics", timeout=10)
+    requests = {f"fuse_requests.{op}": float(n) for op, n in _FUSE_REQUESTS.findall(scrape.read().decode())}
+    return {**values, **requests, "fuse_requests": sum(requests.values())}
 
 
 def _node_for(setup: Setup, mode: Mode) -> AnyNode:
@@ -644,15 +655,7 @@ def main() -> None:
         log(f"pushing to {direct_ref} and indexing (unshaped)")
         push(built.layout, direct_ref)
         warm = start_node([registry.host])
-        index = subprocess.run(
-            warm.command("index", "--quiet", direct_ref),
-            capture_output=True,
-            text=True,
-            timeout=STEP_TIMEOUT,
-            check=False,
-        )
-        if index.returncode != 0:
-            raise RuntimeError(f"bootseer index failed:\n{index.stdout}\n{index.stderr}")
+        warm.index(direct_ref, STEP_TIMEOUT)
         warm.containerd.pull(direct_ref, snapshotter="overlayfs")
         if peer:
             layouts = stargz.convert(built, warm.containerd, direct_ref, registry.host, REPOSITORY, log)

@@ -288,6 +288,7 @@ class HotBlocks:
                     self._start_recording(image)
                 return
             prefetch.layers[layer_digest] = layer
+            layer.reader.follow_manifest({b.block for b in blocks})
             for run in fetch_runs([b.block for b in blocks], index.blocks):
                 heapq.heappush(prefetch.queue, (positions[run[0]], layer_digest, run))
         finally:

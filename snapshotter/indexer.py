@@ -53,7 +53,7 @@ def index_image(
     client: RegistryClient,
     ref: Reference,
     platform: str | None = None,
-    span: int = DEFAULT_SPAN,
+    span: int | None = None,
     show_progress: bool = True,
     signing_key: Ed25519PrivateKey | None = None,
 ) -> IndexReport:
@@ -108,7 +108,9 @@ def _current(signing_key: Ed25519PrivateKey | None) -> Callable[[str, Descriptor
     return current
 
 
-def _index_layer(client: RegistryClient, ref: Reference, layer: Descriptor, span: int, show_progress: bool) -> bytes:
+def _index_layer(
+    client: RegistryClient, ref: Reference, layer: Descriptor, span: int | None, show_progress: bool
+) -> bytes:
     short = layer.digest.split(":")[1][:12]
     with tempfile.TemporaryDirectory(prefix="bootseer-index-") as tmp:
         blob = Path(tmp) / "blob"
@@ -133,7 +135,11 @@ def _index_layer(client: RegistryClient, ref: Reference, layer: Descriptor, span
             leave=False,
         ) as bar:
             try:
-                index = build_index(blob, layer.digest, span=span, progress=_advance(bar))
+                # A span asked for is every block's; the default's blocks are
+                # merged where the data does not compress (build.coarsen).
+                index = build_index(
+                    blob, layer.digest, span=span or DEFAULT_SPAN, progress=_advance(bar), coarse=span is None
+                )
                 encoded = index.encode()
                 # Exactly what the snapshotter will decode: never push an
                 # index it refuses.

@@ -267,7 +267,7 @@ class RemoteLayers:
         with self._lock:
             future = self._indexes.get(layer_digest)
             if future is None:
-                future = self._fetchers.submit(self._store_index, ref, manifest_digest, layer_digest)
+                future = self._fetchers.submit(self._store_and_announce, ref, manifest_digest, layer_digest)
                 self._indexes[layer_digest] = future
                 future.add_done_callback(lambda _: self._forget(layer_digest))
         return future
@@ -275,6 +275,18 @@ class RemoteLayers:
     def _forget(self, layer_digest: str) -> None:
         with self._lock:
             self._indexes.pop(layer_digest, None)
+
+    def _store_and_announce(self, ref: Reference, manifest_digest: str, layer_digest: str) -> LayerIndex:
+        """The layer's index, stored; and the layer announced at once, so that
+        the layer server prefetches its hot blocks from now on: for the layers
+        above the one being prepared (fetched ahead from cri.image-layers),
+        while containerd is still preparing the layers below. A prefetch only
+        fills the cache with blocks checked against this trusted index;
+        whether a container is ever served the layer is still the Prepare's
+        decision (chain binding, implicit directories)."""
+        index = self._store_index(ref, manifest_digest, layer_digest)
+        self._announce(ref, manifest_digest, layer_digest)
+        return index
 
     def _store_index(self, ref: Reference, manifest_digest: str, layer_digest: str) -> LayerIndex:
         name = layer_name(layer_digest)

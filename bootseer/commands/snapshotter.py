@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from bootseer.options import EXIT_USAGE, CommandError, add_common_arguments, configure_events, load_config, override
-from snapshotter.layer.index import DEFAULT_SPAN, MAX_BLOCK_BYTES
+from snapshotter.layer.index import MAX_BLOCK_BYTES
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -81,7 +81,7 @@ def _run_index(args: argparse.Namespace) -> int:
 
     cfg = load_config(args)
     override(cfg.trust, args, signing_key="signing_key")
-    if not 0 < args.span <= MAX_BLOCK_BYTES:
+    if args.span is not None and not 0 < args.span <= MAX_BLOCK_BYTES:
         raise CommandError(f"--span must be between 1 and {MAX_BLOCK_BYTES} bytes", EXIT_USAGE)
     try:
         key = signing_key(cfg.trust)
@@ -203,8 +203,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     index.add_argument(
         "--span",
         type=int,
-        default=DEFAULT_SPAN,
-        help="uncompressed bytes per block, the unit of lazy fetching (default 4 MiB, at most 128 MiB)",
+        help=(
+            "uncompressed bytes per block, the unit of lazy fetching, every block alike (at most 128 MiB; "
+            "default: 1 MiB, and blocks of data that does not compress merged up to 4 MiB)"
+        ),
     )
     index.add_argument("--quiet", action="store_true", help="no progress bars")
     index.add_argument(

@@ -24,7 +24,17 @@ Layers are untrusted input. Any request that fails other than with a
 FUSEError answers EIO and leaves its layer broken: every later request on
 that layer answers EIO at once, while the mount and the other layers carry on.
 
-Every request is timed (bootseer_fs_op_seconds{op}) in the same wrapper.
+What the kernel keeps, since a layer copy never changes: names, attributes
+and negative lookups inside layers (an hour), listings (directories are
+opened without OPENDIR), file pages across opens (files are opened without
+OPEN); each entry of a listing comes with its attributes (READDIRPLUS). The
+mount root is asked every time (layers come and go there, and its control
+names are messages), its listing kept only while the store's mtime stays.
+The kernel does not keep xattrs: overlayfs's probes (trusted.overlay.*,
+one per lower file and directory it finds) reach us, answered from the tree.
+
+Every request is timed (bootseer_fs_op_seconds{op}) in the same wrapper,
+and counted by opcode in the engine (bootseer_fs_fuse_requests_total).
 statfs answers the layer store's filesystem: what kubelet sees of the image
 filesystem, and what its image garbage collection goes by.
 """
@@ -205,6 +215,14 @@ def _reply_dots(
         if not fuse.readdir_reply(token, name, attr, n):
             return False
     return True
+
+
+def _negative_entry() -> fuse.EntryAttributes:
+    """A lookup's "no such name", cached by the kernel for TIMEOUT (inode 0)."""
+    attr = fuse.EntryAttributes()
+    attr.entry_timeout = TIMEOUT
+    attr.attr_timeout = 0
+    return attr
 
 
 def entry_attributes(slot: int, node: Node) -> fuse.EntryAttributes:
@@ -571,6 +589,13 @@ class LayerFS(fuse.Operations):
 
     # -- attributes ---------------------------------------------------------
 
+    def _store_mtime_ns(self) -> int:
+        try:
+            return os.stat(self.store.root).st_mtime_ns
+        except OSError:
+            # No store yet (or gone): no layers to list.
+            return 0
+
     def _root_attr(self) -> fuse.EntryAttributes:
         attr = fuse.EntryAttributes()
         attr.st_ino = fuse.ROOT_INODE
@@ -585,7 +610,13 @@ class LayerFS(fuse.Operations):
     @_guarded
     async def getattr(self, inode: int, ctx: fuse.RequestContext | None = None) -> fuse.EntryAttributes:
         if inode == fuse.ROOT_INODE:
-            return self._root_attr()
+            attr = self._root_attr()
+            # The store directory's mtime, which every layer added or removed
+            # moves: the kernel keeps the root's listing (directories are
+            # opened without OPENDIR, so every listing may be cached) only
+            # while this stays, and asks it before each listing.
+            attr.st_mtime_ns = await trio.to_thread.run_sync(self._store_mtime_ns)
+            return attr
         layer, node = await self._resolve(inode)
         return entry_attributes(layer.slot, node)
 
@@ -616,7 +647,12 @@ class LayerFS(fuse.Operations):
             return entry_attributes(layer.slot, node)
         child = layer.tree.lookup(node.ino, name)
         if child is None:
-            raise fuse.FUSEError(errno.ENOENT)
+            # A negative entry the kernel keeps (ENOENT it would ask again
+            # for): overlayfs probes every layer above the one holding a
+            # name. A layer copy's tree never changes and its slot is never
+            # another copy's (fs/slots.py), so no unload, reload or prune
+            # can make this answer wrong under this directory's inode.
+            return _negative_entry()
         return entry_attributes(layer.slot, child)
 
     @_guarded_forget
@@ -628,9 +664,13 @@ class LayerFS(fuse.Operations):
 
     @_guarded
     async def opendir(self, inode: int, ctx: fuse.RequestContext) -> int:
-        if inode != fuse.ROOT_INODE and not (await self._resolve(inode))[1].is_dir:
-            raise fuse.FUSEError(errno.ENOTDIR)
-        return inode
+        """ENOSYS: the kernel opens directories itself from now on (no
+        OPENDIR, RELEASEDIR) and keeps their listings, which a layer's
+        never change; readdir names the inode. The root's listing, which
+        follows the store, is kept only while the root's mtime stays (the
+        kernel asks it before each listing: AUTO_INVAL_DATA, zero attribute
+        timeout)."""
+        raise fuse.FUSEError(errno.ENOSYS)
 
     @_guarded
     async def readdir(self, fh: int, start_id: int, token: fuse.ReaddirToken) -> None:
@@ -661,10 +701,6 @@ class LayerFS(fuse.Operations):
             if not fuse.readdir_reply(token, child, entry_attributes(layer.slot, layer.tree.nodes[ino]), n):
                 return
 
-    @_guarded
-    async def releasedir(self, fh: int) -> None:
-        return None
-
     # -- files --------------------------------------------------------------
 
     @_guarded
@@ -676,12 +712,12 @@ class LayerFS(fuse.Operations):
 
     @_guarded
     async def open(self, inode: int, flags: int, ctx: fuse.RequestContext) -> fuse.FileInfo:
-        _, node = await self._resolve(inode)
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
-            raise fuse.FUSEError(errno.EROFS)
-        if not stat.S_ISREG(node.mode):
-            raise fuse.FUSEError(errno.EINVAL)
-        return fuse.FileInfo(fh=inode, keep_cache=True)
+        """ENOSYS: the kernel opens files on this connection itself from now
+        on (no OPEN, RELEASE) and keeps their pages across opens, as
+        FOPEN_KEEP_CACHE would; reads name the inode. Nothing is lost: the
+        mount is read-only (the kernel refuses writes itself) and only
+        regular files reach open (nodev; fifos, sockets are the kernel's)."""
+        raise fuse.FUSEError(errno.ENOSYS)
 
     @_guarded
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -693,10 +729,6 @@ class LayerFS(fuse.Operations):
             return await layer.reader.read(node.offset + off, node.offset + off + length, node.offset + node.size)
         except BlockUnavailable:
             raise fuse.FUSEError(errno.EIO) from None
-
-    @_guarded
-    async def release(self, fh: int) -> None:
-        return None
 
     # -- xattrs and statfs --------------------------------------------------
 

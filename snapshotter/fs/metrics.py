@@ -11,10 +11,11 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 import eventlog
+from snapshotter.fs.fusewire import session
 
 READ_BYTES = Counter("bootseer_fs_read_bytes", "Bytes returned to FUSE reads.")
 BLOCK_READS = Counter(
@@ -142,6 +143,31 @@ OP_SECONDS = OpLatency(
         *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
     ),
 )
+
+
+class FuseRequests(Collector):
+    """The FUSE engine's requests by opcode, read at scrape time: every
+    request the kernel sent, answered by a handler or not (ENOSYS, forget,
+    interrupt), which the op histogram does not see."""
+
+    name = "bootseer_fs_fuse_requests"
+    documentation = "FUSE requests read from the kernel, by opcode: what the kernel did not answer from its caches."
+
+    def __init__(self) -> None:
+        REGISTRY.register(self)
+
+    def describe(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(self.name, self.documentation, labels=["opcode"])]
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=["opcode"])
+        for opcode, count in sorted(session.requests_by_opcode().items()):
+            family.add_metric([opcode], float(count))
+        yield family
+
+
+FUSE_REQUESTS = FuseRequests()
+
 READ_WAITS = Gauge(
     "bootseer_fs_read_waits",
     "Reads waiting right now on blocks being fetched from the registry (on-demand misses).",

@@ -144,6 +144,11 @@ class LayerReader:
             Origin.BACKGROUND: background_limiter,
         }
         self.readahead = InOrderReadAhead()
+        # The blocks hot-block manifests say a start of an image with this
+        # layer reads (None: no manifest covers the layer). Read-ahead stays
+        # within them: it only moves a hot block ahead of its turn in the
+        # prefetch, never fetches what no start was seen to read.
+        self.hot_blocks: set[int] | None = None
         # Blocks read ahead and not read yet: reaching one reads further ahead.
         # Blocks the hot-block prefetcher brought in do not: it is ahead already.
         self.readahead_marks: set[int] = set()
@@ -165,6 +170,11 @@ class LayerReader:
         self.pinned: dict[int, int] = {}
         # Blocks being evicted: set once their bytes are gone.
         self.evicting: dict[int, trio.Event] = {}
+
+    def follow_manifest(self, blocks: set[int]) -> None:
+        """A hot-block manifest lists `blocks` of this layer: read-ahead
+        fetches no other block (manifests of several images add up)."""
+        self.hot_blocks = blocks if self.hot_blocks is None else self.hot_blocks | blocks
 
     @property
     def idle(self) -> bool:
@@ -226,6 +236,7 @@ class LayerReader:
             and self.index.blocks[n].ustart < limit
             and n not in self.cached
             and n not in self.inflight
+            and (self.hot_blocks is None or n in self.hot_blocks)
         ]
         if ahead:
             trio.lowlevel.spawn_system_task(self._read_ahead, ahead)

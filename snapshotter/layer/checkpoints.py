@@ -79,6 +79,25 @@ def parse(data: bytes) -> list[Checkpoint]:
     return points
 
 
+def without(data: bytes, dropped: set[tuple[int, int]]) -> bytes:
+    """The same index without the checkpoints at the (uncompressed,
+    compressed) offsets in `dropped`, and their windows."""
+    magic, version, flags, csize, usize, spacing, window_size, npoints = _HEADER.unpack_from(data, 0)
+    offset = _HEADER.size + npoints * _POINT.size
+    heads, windows = [], []
+    for i in range(npoints):
+        head = _POINT.unpack_from(data, _HEADER.size + i * _POINT.size)
+        window = b""
+        if head[3]:
+            window = data[offset : offset + window_size]
+            offset += window_size
+        if (head[1], head[0]) not in dropped:
+            heads.append(head)
+            windows.append(window)
+    header = _HEADER.pack(magic, version, flags, csize, usize, spacing, window_size, len(heads))
+    return header + b"".join(_POINT.pack(*head) for head in heads) + b"".join(windows)
+
+
 class _BitWriter:
     """Deflate's bit order: fields least significant bit first, Huffman
     codes most significant bit first."""

@@ -39,6 +39,20 @@ def test_offset_map_interpolates_between_samples() -> None:
     assert m.compressed_bytes([]) == 0
 
 
+def test_block_bytes_price_every_block_a_range_touches_whole() -> None:
+    # 1000 uncompressed bytes compress to 100, evenly.
+    m = OffsetMap(np.array([0, 1000]), np.array([0, 100]))
+    # One byte in block 0, and a range across blocks 2 and 3, of span 200.
+    assert m.block_bytes([(10, 11), (450, 620)], 200) == 60
+    # The same reads in blocks of 100: blocks 0, 4, 5 and 6.
+    assert m.block_bytes([(10, 11), (450, 620)], 100) == 40
+    # The last block stops at the end of the stream.
+    assert m.block_bytes([(990, 1000)], 400) == 20
+    assert m.block_bytes([], 100) == 0
+    # Never less than the bytes read.
+    assert m.block_bytes([(0, 1000)], 300) == m.compressed_bytes([(0, 1000)]) == 100
+
+
 def _layer(path: Path, files: dict[str, bytes]) -> None:
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w") as tar:

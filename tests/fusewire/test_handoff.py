@@ -1,13 +1,15 @@
 """Where the descriptor goes between incarnations, without a mount: the
 systemd file descriptor store (through bootseer.daemon's Notifier, as the
 composition root passes it), LISTEN_FDS parsing, and the holder's protocol
-on a plain pipe. Plus the readdir buffer arithmetic of the facade."""
+on a plain pipe. Plus the readdir buffer arithmetic of the facade, and the
+READDIRPLUS layout."""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -19,7 +21,7 @@ import pytest
 
 from bootseer.daemon import Notifier
 from snapshotter.fs import fusewire as fw
-from snapshotter.fs.fusewire import handoff, protocol
+from snapshotter.fs.fusewire import handoff, protocol, session
 from snapshotter.fs.fusewire.connection import Connection, ensure_kept
 from tests.fusewire.harness import wait_for
 
@@ -130,6 +132,23 @@ def test_readdir_reply_fills_the_buffer_and_no_more() -> None:
     assert token.used == 2 * one == len(b"".join(token.chunks))
     ino, off, namelen, kind = protocol.DIRENT_HEAD.unpack_from(token.chunks[1])
     assert (ino, off, namelen, kind) == (7, 2, 4, 8)  # DT_REG
+
+
+def test_readdirplus_entries_carry_what_a_lookup_answers() -> None:
+    attr = fw.EntryAttributes(st_ino=7, st_size=5, entry_timeout=3600.0, attr_timeout=3600.0)
+    entry_out = struct.Struct("=QQQQII")
+    one = protocol.direntplus_size(len(b"name"))
+    assert one == entry_out.size + protocol.ATTR.size + protocol.dirent_size(len(b"name"))
+    token = fw.ReaddirToken(size=one * 2 + one // 2, entry=session._entry_out)
+    assert fw.readdir_reply(token, b"name", attr, 1)
+    assert fw.readdir_reply(token, b"name", attr, 2)
+    assert not fw.readdir_reply(token, b"name", attr, 3)
+    assert token.used == 2 * one == len(b"".join(token.chunks))
+    # Each entry as fuse.h lays out fuse_direntplus: the entry, then the dirent.
+    nodeid, generation, entry_valid, attr_valid, _, _ = entry_out.unpack_from(token.chunks[2])
+    assert (nodeid, generation, entry_valid, attr_valid) == (7, 0, 3600, 3600)
+    assert protocol.ATTR.unpack_from(token.chunks[2], entry_out.size)[:2] == (7, 5)
+    assert protocol.DIRENT_HEAD.unpack_from(token.chunks[3]) == (7, 2, 4, 8)
 
 
 def test_a_lost_holder_is_replaced_and_given_the_descriptor_again(tmp_path: Path) -> None:

@@ -28,7 +28,8 @@ from tests.harness.tree import drop_page_cache
 pytestmark = pytest.mark.integration
 
 CAP = 16 << 20
-# bootseer index's default span: the most a block takes.
+# At least the most a block takes: bootseer index's default span is 1 MiB
+# (DEFAULT_SPAN), and a block is its span plus at most one deflate block.
 BLOCK = 4 << 20
 STORE_SIZE = 256 << 20
 # What the layer store keeps of a removed image: the block index's pages,

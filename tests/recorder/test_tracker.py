@@ -442,3 +442,28 @@ def test_a_node_that_never_publishes_keeps_its_recording_and_asks_no_election(
     not_pushed = [e for e in logs if e["event"] == "hot-block manifest not pushed"]
     assert [e["reason"] for e in not_pushed] == ["never"]
     assert "hot-block publish election" not in [e["event"] for e in logs]
+
+
+def test_a_layer_the_manifest_covers_reads_ahead_only_within_it(make_node: Callable[..., Node]) -> None:
+    """Once the prefetch has the manifest's blocks of a layer, a reader going
+    through the layer in order fetches only the blocks it reads: read-ahead
+    past what the manifest says a start reads would fetch 6-13 as well."""
+    node = make_node(layers=1)
+    hot = [0, 1, 2, 8, 9]
+    node.local.put(HotManifest(IMAGE, 1, [node.block(0, n, ms) for ms, n in enumerate(hot)]))
+
+    async def body(node: Node) -> None:
+        await announce(node)
+        await wait_for("the prefetch to finish", lambda: prefetch_finished(node))
+        reader = node.reader(0)
+        assert reader.hot_blocks == set(hot)
+        end = reader.index.blocks[5].uend
+        for offset in range(0, end, 32 << 10):
+            await reader.read(offset, min(offset + (32 << 10), end), reader.index.uncompressed_size)
+        # Read-ahead runs in tasks of its own: let them land what they fetch.
+        await trio.sleep(0.5)
+
+    run(node, body)
+    assert node.reader(0).cached == set(range(6)) | {8, 9}
+    # 3, 4 and 5 each on demand, after the prefetch's two runs.
+    assert node.fetches[2:] == [node.run_range(0, n, n) for n in (3, 4, 5)]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from snapshotter.layer.blockmath import InOrderReadAhead, fetch_runs, split_run
-from snapshotter.layer.build import UnsupportedLayer, build_index
+from snapshotter.layer.build import COARSE_SPANS, UnsupportedLayer, build_index, coarsen
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import (
     MAGIC,
@@ -198,6 +198,70 @@ def test_read_ahead_grows_on_sequential_reads_and_stops_on_random_ones() -> None
     assert ra.observe(0, 1) == range(2, 4)
     assert ra.observe(1, 1) == range(2, 4)
     assert ra.observe(1, 2) == range(3, 7)
+
+
+# -- block sizes: fine where data compresses, coarser where it does not -------
+
+
+def _text(rng: random.Random, size: int) -> bytes:
+    words = [rng.randbytes(4).hex() for _ in range(300)]
+    return " ".join(rng.choice(words) for _ in range(size // 8)).encode()[:size]
+
+
+def test_blocks_of_incompressible_data_are_merged_and_every_block_still_decodes(tmp_path: Path) -> None:
+    rng = random.Random(8)
+    span = 64 << 10
+    members = [("text", _text(rng, 1 << 20)), ("noise", rng.randbytes(1 << 20)), ("more-text", _text(rng, 1 << 20))]
+    blob = tar_of(members)
+    raw = gzip.decompress(blob)
+    path = tmp_path / "blob"
+    path.write_bytes(blob)
+    digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+    index = LayerIndex.decode(build_index(path, digest, span=span, coarse=True).encode())
+    fine = build_index(path, digest, span=span)
+    noise = next(e for e in index.entries if e.name == "noise")
+
+    def within_noise(blocks: list[Block]) -> list[Block]:
+        return [b for b in blocks if noise.offset <= b.ustart and b.uend <= noise.offset + noise.size]
+
+    # Noise: runs of COARSE_SPANS blocks become one; text keeps every block.
+    assert 0 < len(within_noise(index.blocks)) <= len(within_noise(fine.blocks)) / (COARSE_SPANS - 1)
+    assert max(b.uend - b.ustart for b in within_noise(index.blocks)) >= COARSE_SPANS * span
+    text = {b.ustart for b in fine.blocks if b.uend <= noise.offset or b.ustart >= noise.offset + noise.size}
+    assert text <= {b.ustart for b in index.blocks}
+    # One checkpoint per block start: the merged-away ones and their windows are gone.
+    assert {b.ustart for b in index.blocks} <= set(index.checkpoints_by_offset)
+    assert len(index.checkpoints_by_offset) <= len(index.blocks) + 1
+    assert len(index.encode()) < len(fine.encode())
+    decoder = BlockDecoder(index)
+    for n, b in enumerate(index.blocks):
+        compressed = blob[b.cstart : b.cend]
+        assert decoder.decode(n, compressed) == raw[b.ustart : b.uend]
+        # indexed_gzip's reader (the fallback) takes the thinned checkpoints too.
+        assert decoder._inflate_with_zran(n, compressed, b.uend - b.ustart) == raw[b.ustart : b.uend]
+    decoder.close()
+
+
+def test_coarsen_merges_runs_of_incompressible_blocks_only() -> None:
+    def block(n: int, compressed: int) -> tuple[int, int, int, int]:
+        return (n * 10, n * 10 + compressed, n * 100, n * 100 + 100)
+
+    bounds = [block(0, 20), *(block(n, 90) for n in range(1, 7)), block(7, 20), block(8, 95), block(9, 95)]
+    assert coarsen(bounds, windowless=set()) == [
+        bounds[0],
+        (10, 40 + 90, 100, 500),  # blocks 1-4: COARSE_SPANS of them
+        (50, 60 + 90, 500, 700),  # blocks 5-6
+        bounds[7],
+        (80, 90 + 95, 800, 1000),
+    ]
+    # A gzip member starts at block 3: nothing is merged across it.
+    assert coarsen(bounds[:5], windowless={300}) == [bounds[0], (10, 20 + 90, 100, 300), (30, 40 + 90, 300, 500)]
+    # Nor past COARSE_MAX_BYTES: blocks of a 4 MiB span stay as they are.
+    big = [(n << 22, (n + 1) << 22, n << 22, (n + 1) << 22) for n in range(4)]
+    assert coarsen(big, windowless=set()) == big
+    assert coarsen([*big[:2], (8 << 20, 9 << 20, 8 << 20, 9 << 20)], windowless=set())[1:] == [
+        (4 << 20, 9 << 20, 4 << 20, 9 << 20)
+    ]
 
 
 # -- the diff_id and the chain it binds the index to --------------------------

@@ -2,12 +2,23 @@
 names, fields and call signatures, so a filesystem written for pyfuse3
 switches to fusewire by changing its imports.
 
-Differences that matter (both documented in docs/fuse-failover.md):
+Differences that matter (docs/fuse-failover.md has the protocol subset):
 
-- Listings go out as plain READDIR, not READDIRPLUS: `readdir_reply` does
-  not count a lookup, so `forget` only ever gives back what `lookup` took.
+- Listings go out as READDIRPLUS (SessionConfig.readdirplus): each entry
+  carries its attributes and timeouts, so the kernel need not look the
+  names up, and counts a lookup of each entry but "." and "..", which
+  `forget` gives back like those of `lookup`.
 - A handler's exception other than FUSEError answers EIO (with a log line)
   instead of ending the main loop; `forget` may raise without harm.
+- `open` may answer ENOSYS: the kernel then opens files itself for the
+  connection's life (no OPEN or RELEASE, page cache kept) and `read` gets
+  the inode as `fh`. There is no `flush`: the kernel stops sending FLUSH
+  after its first ENOSYS.
+- `opendir` may answer ENOSYS likewise: no OPENDIR or RELEASEDIR, the
+  kernel keeps listings (checking the directory's mtime first, as
+  AUTO_INVAL_DATA asks) and `readdir` gets the inode as `fh`.
+- `lookup` may return attributes with st_ino 0: a negative entry the
+  kernel keeps for entry_timeout (as pyfuse3 allows).
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from __future__ import annotations
 import errno as errnos
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from snapshotter.fs.fusewire import protocol
@@ -129,20 +140,25 @@ class RequestContext:
 
 @dataclass
 class ReaddirToken:
-    """Collects one READDIR reply, at most `size` bytes of dirents."""
+    """Collects one READDIR reply, at most `size` bytes of dirents. For a
+    READDIRPLUS reply, `entry` is the session's encoder of the entry (what
+    a lookup answers) that goes before each dirent."""
 
     size: int
     chunks: list[bytes] = field(default_factory=list)
     used: int = 0
+    entry: Callable[[EntryAttributes], bytes] | None = None
 
 
 def readdir_reply(token: ReaddirToken, name: bytes, attr: EntryAttributes, next_id: int) -> bool:
     """Add an entry to the listing; False (and nothing added) once the
     kernel's buffer is full. `next_id` comes back as `start_id` to go on
     after this entry."""
-    size = protocol.dirent_size(len(name))
+    size = protocol.dirent_size(len(name)) if token.entry is None else protocol.direntplus_size(len(name))
     if token.used + size > token.size:
         return False
+    if token.entry is not None:
+        token.chunks.append(token.entry(attr))
     token.chunks.append(protocol.dirent(attr.st_ino, next_id, name, attr.st_mode))
     token.used += size
     return True
@@ -176,9 +192,6 @@ class Operations:
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         raise FUSEError(errnos.ENOSYS)
-
-    async def flush(self, fh: int) -> None:
-        return None
 
     async def release(self, fh: int) -> None:
         return None

@@ -122,6 +122,10 @@ class Notify(IntEnum):
 # INIT flags (flags | flags2 << 32).
 ASYNC_READ = 1 << 0
 BIG_WRITES = 1 << 5
+# The kernel checks a file's (a directory's) mtime before trusting its
+# cached pages (listing), so a changed one is read afresh.
+AUTO_INVAL_DATA = 1 << 12
+DO_READDIRPLUS = 1 << 13
 ASYNC_DIO = 1 << 15
 PARALLEL_DIROPS = 1 << 18
 MAX_PAGES = 1 << 22
@@ -152,7 +156,6 @@ OPEN_IN = struct.Struct("=II")
 OPEN_OUT = struct.Struct("=QIi")
 READ_IN = struct.Struct("=QQIIQII")
 RELEASE_IN = struct.Struct("=QIIQ")
-FLUSH_IN = struct.Struct("=QIIQ")
 GETXATTR_IN = struct.Struct("=II")
 GETXATTR_OUT = struct.Struct("=II")
 ACCESS_IN = struct.Struct("=II")
@@ -195,6 +198,10 @@ def out_header(length: int, error: int, unique: int) -> bytes:
 
 def dirent_size(name_len: int) -> int:
     return (DIRENT_HEAD.size + name_len + 7) & ~7
+
+
+def direntplus_size(name_len: int) -> int:
+    return ENTRY_OUT_HEAD.size + ATTR.size + dirent_size(name_len)
 
 
 def dirent(ino: int, off: int, name: bytes, mode: int) -> bytes:
