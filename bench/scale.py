@@ -253,7 +253,7 @@ def _start_one(env: Env, mode: Mode, node: Node, container_id: str, t0: float) -
             timeout=STEP_TIMEOUT,
         )
     pulled = time.time()
-    ready_at, _ = startup._run_container(node.containerd, mode.snapshotter, env.ref, container_id)
+    ready_at, _ = startup.run_container(node.containerd, mode.snapshotter, env.ref, container_id)
     return NodeStart(ready_s=round(ready_at - t0, 3), pull_s=round(pulled - t0, 3))
 
 

@@ -252,7 +252,7 @@ MODES = {
 }
 
 
-def _run_container(c: Containerd, snapshotter: str, ref: str, container_id: str) -> tuple[float, ScriptOutput]:
+def run_container(c: Containerd, snapshotter: str, ref: str, container_id: str) -> tuple[float, ScriptOutput]:
     """`ctr run` the image's entry point; when its READY line came, and what it printed."""
     argv = [
         CTR_BIN,
@@ -331,7 +331,7 @@ def timed_run(setup: Setup, mode: Mode, number: int) -> Run:
             ctx = RunContext(setup, node, sampler, time.time(), ref)
             pull = mode.pull(ctx)
             pull_end = time.time()
-            ready_at, script = _run_container(node.containerd, mode.snapshotter, ref, f"{mode.name}-{number}")
+            ready_at, script = run_container(node.containerd, mode.snapshotter, ref, f"{mode.name}-{number}")
         metrics = {k: v - before.get(k, 0.0) for k, v in _layer_server_metrics(node).items()}
     finally:
         if mode.cold:
@@ -356,7 +356,7 @@ def _record_hot_blocks(setup: Setup) -> int:
     try:
         ctx = RunContext(setup, node, RxSampler(setup.netns), time.time(), setup.ref)
         _pull_lazy(ctx)
-        _run_container(node.containerd, "bootseer", setup.ref, "record")
+        run_container(node.containerd, "bootseer", setup.ref, "record")
         show = node.command("record", "show", setup.ref)
         deadline = time.monotonic() + STEP_TIMEOUT
         # `record show` fails until the recording settles and publishes the manifest.
@@ -668,7 +668,7 @@ def main() -> None:
             warm_containerd,
             direct_ref,
             built.layout,
-            lambda: _run_container(warm_containerd, "overlayfs", direct_ref, "hotbytes"),
+            lambda: run_container(warm_containerd, "overlayfs", direct_ref, "hotbytes"),
             image.CACHE_DIR / "layermaps",
             log,
         )
@@ -729,7 +729,7 @@ def _start_lazy_warm(registry_host: str, direct_ref: str) -> Node:
         )
         if pulled.returncode != 0:
             raise RuntimeError(f"bootseer pull failed:\n{pulled.stdout}\n{pulled.stderr}")
-        _run_container(node.containerd, "bootseer", direct_ref, "lazy-warm-prime")
+        run_container(node.containerd, "bootseer", direct_ref, "lazy-warm-prime")
     except BaseException:
         node.teardown()
         raise
