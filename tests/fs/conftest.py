@@ -26,6 +26,7 @@ from snapshotter.fs.fusewire.mount import mount as fuse_mount
 from snapshotter.fs.fusewire.session import Session
 from snapshotter.fs.layerfs import LayerFS
 from snapshotter.fs.layers import LayerSource, LayerStore
+from snapshotter.fs.reader import LayerReader, RangeFetcher
 from snapshotter.layer.build import build_index
 from tests.harness.procs import wait_until
 
@@ -87,6 +88,32 @@ def add_layer(store: LayerStore, tmp: Path, blob: bytes, span: int) -> str:
     index = build_index(path, digest, span=span)
     store.add(index, LayerSource(ref="127.0.0.1:1/test/layer", digest=digest), index.encode())
     return digest
+
+
+def make_reader(
+    tmp_path: Path,
+    blob: bytes,
+    fetch: RangeFetcher,
+    span: int,
+    store_dir: Path | None = None,
+    block_index_path: Path | None = None,
+) -> LayerReader:
+    """A LayerReader over `blob`, indexed at `span` into a layer store (at
+    `store_dir`, else under tmp_path), fetching through `fetch`; no FUSE."""
+    store = LayerStore(store_dir or tmp_path / "store")
+    name = add_layer(store, tmp_path, blob, span).split(":")[1]
+    index, source = store.load(name)
+    return LayerReader(
+        name,
+        source.cache_key,
+        index,
+        store.cache_path(name),
+        BlockIndex(block_index_path or store.block_index_path),
+        fetch,
+        trio.CapacityLimiter(4),
+        trio.CapacityLimiter(4),
+        trio.CapacityLimiter(1),
+    )
 
 
 def metric(name: str, **labels: str) -> float:

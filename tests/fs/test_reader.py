@@ -17,7 +17,7 @@ import trio
 from snapshotter.fs.blockindex import BlockIndex, BlockRecord, BlockState
 from snapshotter.fs.layers import LayerStore
 from snapshotter.fs.reader import LayerReader, Origin
-from tests.fs.conftest import Blob, add_layer, fill, make_layer, metric
+from tests.fs.conftest import Blob, add_layer, fill, make_layer, make_reader, metric
 
 SPAN = 64 << 10
 
@@ -30,21 +30,7 @@ def _reader(
     span: int = SPAN,
     block_index_path: Path | None = None,
 ) -> LayerReader:
-    store = LayerStore(store_dir or tmp_path / "store")
-    digest = add_layer(store, tmp_path, blob, span)
-    name = digest.split(":")[1]
-    index, layer_source = store.load(name)
-    return LayerReader(
-        name,
-        layer_source.cache_key,
-        index,
-        store.cache_path(name),
-        BlockIndex(block_index_path or store.block_index_path),
-        source.fetch,
-        trio.CapacityLimiter(4),
-        trio.CapacityLimiter(4),
-        trio.CapacityLimiter(1),
-    )
+    return make_reader(tmp_path, blob, source.fetch, span, store_dir, block_index_path)
 
 
 def _layer() -> tuple[bytes, bytes]:

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.fs.layers import LayerStore
 from snapshotter.fs.reader import BlockUnavailable, BoundedFetcher, LayerReader
-from tests.fs.conftest import Mounted, add_layer, make_layer
+from tests.fs.conftest import Mounted, add_layer, make_layer, make_reader
 from tests.harness.tree import drop_page_cache
 
 SPAN = 256 << 10
@@ -111,20 +110,7 @@ def test_a_read_on_a_stalled_registry_gets_eio_and_the_mount_stays_up(
 
 
 def _reader(tmp_path: Path, registry: StallingRegistry) -> LayerReader:
-    store = LayerStore(tmp_path / "store")
-    name = add_layer(store, tmp_path, registry.data, SPAN).split(":")[1]
-    index, source = store.load(name)
-    return LayerReader(
-        name,
-        source.cache_key,
-        index,
-        store.cache_path(name),
-        BlockIndex(store.block_index_path),
-        registry.fetch,
-        trio.CapacityLimiter(4),
-        trio.CapacityLimiter(4),
-        trio.CapacityLimiter(1),
-    )
+    return make_reader(tmp_path, registry.data, registry.fetch, SPAN)
 
 
 @pytest.fixture

@@ -10,31 +10,15 @@ from pathlib import Path
 
 import trio
 
-from snapshotter.fs.blockindex import BlockIndex
-from snapshotter.fs.layers import LayerStore
 from snapshotter.fs.reader import LayerReader
-from tests.fs.conftest import Blob, add_layer, make_layer
+from tests.fs.conftest import Blob, make_layer, make_reader
 
 SPAN = 64 << 10
 READ = 32 << 10
 
 
 def _reader(tmp_path: Path, source: Blob) -> LayerReader:
-    store = LayerStore(tmp_path / "store")
-    digest = add_layer(store, tmp_path, source.data, SPAN)
-    name = digest.split(":")[1]
-    index, layer_source = store.load(name)
-    return LayerReader(
-        name,
-        layer_source.cache_key,
-        index,
-        store.cache_path(name),
-        BlockIndex(store.block_index_path),
-        source.fetch,
-        trio.CapacityLimiter(4),
-        trio.CapacityLimiter(4),
-        trio.CapacityLimiter(1),
-    )
+    return make_reader(tmp_path, source.data, source.fetch, SPAN)
 
 
 def _source() -> Blob:
