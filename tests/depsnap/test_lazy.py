@@ -23,7 +23,7 @@ from depsnap.format import Chunk, CorruptSnapshot, Manifest, header, pack
 from depsnap.store import StoreUnavailable
 from tests.depsnap.conftest import Work
 from tests.harness.nginx import Nginx, remove, start_nginx
-from tests.harness.procs import wait_until
+from tests.harness.procs import pid_alive, wait_until
 
 KEY = "ab" * 32
 CHUNK = 64 << 10
@@ -108,14 +108,6 @@ def server_pid(target: Path) -> int:
     return int((layout.side_dir(target) / "server.pid").read_text())
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def server_log(target: Path) -> list[dict[str, object]]:
     """The lazy server's log file, one JSON record a line."""
     return [json.loads(line) for line in (layout.side_dir(target) / "server.log").read_text().splitlines()]
@@ -129,7 +121,7 @@ def release_and_check(target: Path) -> None:
     pid = server_pid(target)
     snapshot.release(target)
     assert not target.exists() and not layout.side_dir(target).exists()
-    assert gone(pid), "the lazy server outlived its mount"
+    assert not pid_alive(pid), "the lazy server outlived its mount"
 
 
 def read_error(path: Path) -> int | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from snapshotter.fs.fusewire import handoff
-from tests.harness.procs import Daemon, DaemonError, free_tcp_port, start_daemon, wait_until
+from tests.harness.procs import Daemon, DaemonError, free_tcp_port, pid_alive, start_daemon, wait_until
 from tests.harness.snapshotter import BOOTSEER_BIN
 from tests.harness.tree import unmount_under
 from tests.harness.trust import signing_keys
@@ -164,7 +164,7 @@ class LayerServer:
         )
         if holder is not None:
             try:
-                wait_until(lambda: not _alive(holder), 10, "the descriptor holder to exit")
+                wait_until(lambda: not pid_alive(holder), 10, "the descriptor holder to exit")
             except DaemonError:
                 os.kill(holder, signal.SIGKILL)
 
@@ -183,14 +183,6 @@ class LayerServer:
         if not leftovers:
             shutil.rmtree(self.config.workdir, ignore_errors=True)
         return leftovers
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _dead_mount(path: Path) -> bool:
