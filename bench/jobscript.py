@@ -10,7 +10,10 @@ the environment (the job itself is the same everywhere):
   the node's snapshot on a hit, pip and a capture on a miss), or
   `present` (already at /opt/env: the warm node);
 - JOB_CHECKPOINT: an `http://` URL (read in one stream, as `wget` or a
-  plain loader would) or a path (a file, or the host's hdfs-fuse mount).
+  plain loader would) or a path (a file, or the host's hdfs-fuse mount);
+- JOB_PREFETCH_XATTR: when set, the job's first act is to read that
+  attribute of the checkpoint, which has the host's hdfs-fuse mount fetch
+  it while the job gets its dependencies and imports.
 
 Every phase prints `PHASE name epoch-seconds` (the host shares the clock);
 before the step, a `depsnap` job sends its ready mark for `bootseer report`.
@@ -74,8 +77,15 @@ def read_checkpoint(where: str, size: int) -> bytearray:
     return buffer
 
 
+def prefetch(where: str) -> None:
+    xattr = os.environ.get("JOB_PREFETCH_XATTR")
+    if xattr:
+        print(f"  | prefetch {where}: {os.getxattr(where, xattr).decode()}", flush=True)
+
+
 def main() -> None:
     mark("container")
+    prefetch(os.environ["JOB_CHECKPOINT"])
     dependencies(os.environ["JOB_DEPS"])
     mark("deps")
     import importlib

@@ -17,10 +17,13 @@ round by round, page cache dropped before each run:
   depsnap daemon, hdfs-fuse mount) on an image and requirements no node has
   started before: `bootseer pull`, on-demand blocks (the start is recorded
   and its hot-block manifest published), a depsnap miss (pip in the pod,
-  the daemon captures and publishes), the checkpoint striped;
+  the daemon captures and publishes), the checkpoint striped and
+  prefetched: the job's first act asks the mount for it (its
+  `user.bootseer.prefetch` attribute), so it arrives while the job gets
+  its dependencies and imports;
 - `bootseer-fresh-node`: another fresh node after that: the hot blocks are
   prefetched, the dependencies restored from the store, the checkpoint
-  striped;
+  striped and prefetched as in `bootseer-first`;
 - `warm`: everything on the node already: the image unpacked, the
   environment installed, the checkpoint on local disk.
 
@@ -63,7 +66,7 @@ from bench.jobtimeline import MODES, PHASES, Run, limit_s, parse_output, phases,
 from bench.node import Node, index_image, start_node
 from bench.report import log
 from depsnap.podclient import write_zipapp
-from hdfs_fuse import mountinfo
+from hdfs_fuse import mountinfo, prefetch_client
 from snapshotter.fs.settings import FsConfig
 from tests.harness.containerd import BindMount, Containerd, start_containerd
 from tests.harness.layerserver import LazyConfig
@@ -452,7 +455,11 @@ class Bench:
         pull_end = time.time()
         if pulled.returncode != 0:
             raise RuntimeError(f"bootseer pull failed:\n{pulled.stdout}\n{pulled.stderr}")
-        env = {**_job_env(self.work, "depsnap", f"{CHECKPOINT_DIR}/{CHECKPOINT_NAME}"), **_pip_env(self.servers)}
+        env = {
+            **_job_env(self.work, "depsnap", f"{CHECKPOINT_DIR}/{CHECKPOINT_NAME}"),
+            **_pip_env(self.servers),
+            "JOB_PREFETCH_XATTR": prefetch_client.XATTR,
+        }
         mounts = (
             BindMount(node.socket_dir, SOCKET_DIR, read_only=True),
             BindMount(node.checkpoint_mount, CHECKPOINT_DIR, read_only=True, propagation="rslave"),

@@ -6,7 +6,8 @@ stripe that has arrived is answered on the trio loop with a view of the
 stripe (no copy, no thread); any other read waits for its stripes in a
 worker thread, so the loop keeps taking the kernel's parallel read-ahead
 requests while stripes are in flight. Arriving stripes are also pushed into
-the kernel's page cache (see `pagecache`). Anything
+the kernel's page cache (see `pagecache`), and a job may have a whole file
+fetched ahead of its read (see `prefetch`). Anything
 that would write gets EROFS (the mount is also `ro`, so the kernel mostly
 refuses before asking).
 """
@@ -29,6 +30,7 @@ import trio
 from prometheus_client import Histogram
 
 import eventlog
+from hdfs_fuse import prefetch, prefetch_client
 from hdfs_fuse import uri as uri_mod
 from hdfs_fuse.backends.interface import Entry
 from hdfs_fuse.pagecache import PageCacheFiller
@@ -56,6 +58,8 @@ class Handle:
     reader: StripedReader
     pattern: ReorderTolerantReadAhead
     inode: int
+    # Lets go of the reader: closes it, or leaves the prefetch it shares.
+    close: Callable[[], None]
     # End of the latest read asked through this handle: where its reader is.
     reach: int = 0
     # For the event record: when, and by whose cgroup (its container), it was opened.
@@ -96,6 +100,8 @@ class RemoteFS(pyfuse3.Operations):
         self._opened_versions: dict[int, str] = {}
         self._lock = threading.Lock()
         self.filler = PageCacheFiller() if client.config.page_cache_push else None
+        # The latest prefetch of each inode asked for one (running or ended, for its status).
+        self._prefetches: dict[int, prefetch.Prefetch] = {}
         # How far past a reader's latest read the kernel may already hold
         # pages for reads it has not sent yet: two read-ahead windows, a stripe.
         config = client.config
@@ -221,14 +227,21 @@ class RemoteFS(pyfuse3.Operations):
         except (OSError, ValueError) as exc:
             log.warning("open failed", uri=str(node.location), error=str(exc))
             raise _to_fuse_error(exc) from exc
-        fh = next(self._next_fh)
-        self._handles[fh] = Handle(
-            reader, reader.new_pattern(), inode, opened_at=eventlog.now(), cgroup=eventlog.cgroup_of(ctx.pid)
-        )
         previous = self._opened_versions.get(inode)
         self._opened_versions[inode] = reader.remote.version
-        if self.filler is not None:
+        close = reader.close
+        running = self._prefetches.get(inode)
+        shared = running.join() if running is not None and running.version == reader.remote.version else None
+        if running is not None and shared is not None:
+            # Its stripes in flight are this reader's next ones: fetched once.
+            await trio.to_thread.run_sync(reader.close)
+            reader, close = shared, running.leave
+        elif self.filler is not None:
             reader.on_fetched = self._pusher(inode, reader)
+        fh = next(self._next_fh)
+        self._handles[fh] = Handle(
+            reader, reader.new_pattern(), inode, close, opened_at=eventlog.now(), cgroup=eventlog.cgroup_of(ctx.pid)
+        )
         if reader.size != node.entry.size:
             node.entry = Entry(node.entry.name, False, reader.size, node.entry.mtime, reader.remote.version)
         return pyfuse3.FileInfo(fh=fh, keep_cache=previous == reader.remote.version)
@@ -285,7 +298,7 @@ class RemoteFS(pyfuse3.Operations):
         handle = self._handles.pop(fh, None)
         if handle is None:
             return
-        await trio.to_thread.run_sync(handle.reader.close)
+        await trio.to_thread.run_sync(handle.close)
         stats = handle.reader.stats
         if stats.served_bytes:
             log.info(
@@ -315,12 +328,65 @@ class RemoteFS(pyfuse3.Operations):
                 cgroup=handle.cgroup,
             )
 
-    def close_all(self) -> None:
+    def stop_pushing(self) -> None:
+        """Stop prefetches and pushes into the page cache. Call while the mount
+        still answers reads (a push may be waiting for one)."""
+        for running in list(self._prefetches.values()):
+            running.stop()
         if self.filler is not None:
             self.filler.close()
+
+    def close_all(self) -> None:
+        self.stop_pushing()
         for handle in self._handles.values():
-            handle.reader.close()
+            handle.close()
         self._handles.clear()
+
+    # --- prefetch (extended attributes) ----------------------------------------------
+
+    async def getxattr(self, inode: pyfuse3.InodeT, name: pyfuse3.XAttrNameT, ctx: pyfuse3.RequestContext) -> bytes:
+        decoded = os.fsdecode(name)
+        if decoded not in (prefetch_client.XATTR, prefetch_client.STATUS_XATTR):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        node = self.nodes.get(inode)
+        if node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if node.entry.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        known = self._prefetches.get(inode)
+        if decoded == prefetch_client.STATUS_XATTR:
+            return (known.status() if known is not None else "none").encode()
+        if known is not None and known.state is prefetch.State.RUNNING:
+            return known.status().encode()
+        return (await self._start_prefetch(node, ctx)).encode()
+
+    async def _start_prefetch(self, node: Node, ctx: pyfuse3.RequestContext) -> str:
+        """The new prefetch's status; a store that cannot open the file
+        fails it at once, and the answer says why."""
+        try:
+            reader = await trio.to_thread.run_sync(self.client.reader, node.location)
+        except (OSError, ValueError) as exc:
+            log.warning("prefetch: open failed", uri=str(node.location), error=str(exc))
+            return f"{prefetch.State.FAILED.value} 0/{node.entry.size}: cannot open {node.location}: {exc}"
+        inode, version = node.inode, reader.remote.version
+        # A reader opening the file later must keep the pages pushed for it.
+        self._opened_versions[inode] = version
+
+        def handover() -> None:
+            if self.filler is not None:
+                reader.on_fetched = self._pusher(inode, reader)
+
+        started = prefetch.Prefetch(
+            inode,
+            reader,
+            wanted=lambda start: self._push_wanted(inode, version, start),
+            handover=handover,
+            cgroup=eventlog.cgroup_of(ctx.pid),
+        )
+        self._prefetches[inode] = started
+        log.info("prefetch started", uri=reader.uri, size=reader.size)
+        started.start()
+        return started.status()
 
     # --- everything that writes ------------------------------------------------------
 

@@ -145,9 +145,8 @@ async def _serve(
                 async for signum in signals:
                     log.info("stopping", signal=signal.Signals(signum).name)
                     on_stopping()
-                    if fs.filler is not None:
-                        # While reads are still answered: a push may be waiting for one.
-                        await trio.to_thread.run_sync(fs.filler.close)
+                    # While reads are still answered: a push may be waiting for one.
+                    await trio.to_thread.run_sync(fs.stop_pushing)
                     pyfuse3.terminate()
                     return
 

@@ -195,6 +195,19 @@ class StripedReader:
         self.stats.add_served(end - offset)
         return memoryview(data)[offset - stripe.start : end - stripe.start]
 
+    def fetch(self, index: int, pattern: ReorderTolerantReadAhead) -> bytes | bytearray:
+        """Stripe `index`'s bytes, with the read-ahead a sequential reader
+        would get behind it; not counted as served or read. The caller says
+        what became of them (`pushed`), so a stripe it did not place anywhere
+        stays for the readers that will ask for it."""
+        part = range(index, index + 1)
+        with self._lock:
+            wanted, sequential = self._plan(part, pattern)
+        data = self._wait(wanted[0])
+        with self._lock:
+            self._evict(part, sequential)
+        return data
+
     def pushed(self, index: int, nbytes: int) -> None:
         """`nbytes` of stripe `index` went into the kernel's page cache: they
         count as read, so a sequential reader past the stripe drops it."""

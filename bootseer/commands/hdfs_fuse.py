@@ -1,9 +1,10 @@
-"""`bootseer hdfs-fuse`: mount, umount and copy remote checkpoints."""
+"""`bootseer hdfs-fuse`: mount, umount, prefetch and copy remote checkpoints."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,38 @@ def _copy(args: argparse.Namespace) -> int:
     return 0
 
 
+# How often `prefetch --wait` reads the status.
+_POLL_S = 0.2
+
+
+def _prefetch(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from hdfs_fuse import prefetch_client
+
+    load_config(args)
+    files = list(prefetch_client.files_under(args.paths))
+    started = [(path, prefetch_client.request(path)) for path in files]
+    for path, state in started:
+        print(f"{path}: {state.line()}")
+    if not args.wait:
+        return 0
+    failed = 0
+    total = sum(state.size for _, state in started)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="prefetch", disable=args.quiet) as bar:
+        for path, first in started:
+            state = first
+            bar.update(state.pushed_bytes)
+            while not state.ended:
+                time.sleep(_POLL_S)
+                previous, state = state.pushed_bytes, prefetch_client.status(path)
+                bar.update(state.pushed_bytes - previous)
+            if state.state == "failed":
+                failed += 1
+            print(f"{path}: {state.line()}")
+    return 1 if failed else 0
+
+
 def _guarded(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Expected failures (bad URI or option, unreachable store, mount trouble)
     as a `CommandError`: one line, exit 1."""
@@ -161,6 +194,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     umount.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
     umount.add_argument("--lazy", action="store_true", help="detach now, clean up when no longer busy")
     umount.set_defaults(func=_guarded(_umount))
+
+    prefetch = commands.add_parser(
+        "prefetch",
+        help="have a mount fetch files into the page cache ahead of their reader",
+        description=(
+            "Ask the hdfs-fuse mount the PATHs are on to fetch each file (every file below a directory) "
+            "into the page cache now, so a later read finds it there. A pod does the same by reading "
+            "the file's user.bootseer.prefetch attribute."
+        ),
+    )
+    add_common_arguments(prefetch)
+    prefetch.add_argument("paths", metavar="PATH", type=Path, nargs="+")
+    prefetch.add_argument("--wait", action="store_true", help="return once every prefetch ended; exit 1 if one failed")
+    prefetch.add_argument("--quiet", action="store_true", help="no progress bar")
+    prefetch.set_defaults(func=_guarded(_prefetch))
 
     copy = commands.add_parser(
         "copy",

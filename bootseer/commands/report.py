@@ -126,9 +126,12 @@ def table(rep: StartReport) -> str:
         lines.append(f"  dependencies: {dep['op']} {dep['outcome']} {dep['key'][:12]} in {dep['seconds']:.3f} s")
     if rep.checkpoint:
         c = rep.checkpoint
+        prefetched = (
+            f"; {_bytes(c['prefetched_bytes'])} prefetched by {c['prefetches']} prefetches" if c["prefetches"] else ""
+        )
         lines.append(
             f"  checkpoint: {c['files']} files, {_bytes(c['served_bytes'])} in {c['seconds']:.3f} s "
-            f"({_bytes(c['bytes_per_s'])}/s)"
+            f"({_bytes(c['bytes_per_s'])}/s){prefetched}"
         )
     return "\n".join(lines)
 

@@ -1,7 +1,9 @@
 """Checkpoints in a pod: the host's hdfs-fuse mount, seen by a container
 through a hostPath-style bind mount with no added capability, reads
 byte-identical; with HostToContainer propagation (rslave) a mount the host
-makes after the container started shows inside it too."""
+makes after the container started shows inside it too; and a pod has a
+file prefetched by reading its attribute (the host's /usr, bind-mounted,
+gives the pod a Python)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from hdfs_fuse import prefetch_client
 from tests.harness.containerd import BindMount, Containerd, start_containerd
 from tests.harness.nginx import Nginx
-from tests.harness.oci import busybox_layer, write_layout
+from tests.harness.oci import Dir, Symlink, busybox_layer, write_layout
 from tests.hdfs_fuse.conftest import Mount, Tree
+from tests.hdfs_fuse.test_prefetch import metric
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +32,8 @@ IMAGE = "bootseer.test/ckpt-reader:v1"
 @pytest.fixture(scope="module")
 def containerd() -> Iterator[Containerd]:
     scratch = Path(tempfile.mkdtemp(prefix="bs-ckpt-pod-", dir="/tmp"))
-    layout = write_layout(scratch / "layout", [busybox_layer()], tag="v1")
+    layer = [*busybox_layer(), Symlink("/lib", "usr/lib"), Symlink("/lib64", "usr/lib64"), Dir("/usr")]
+    layout = write_layout(scratch / "layout", [layer], tag="v1")
     node = start_containerd(scratch / "no-proxy-snapshotter.sock")
     try:
         node.import_layout(layout.directory, IMAGE.rsplit(":", 1)[0])
@@ -39,10 +44,8 @@ def containerd() -> Iterator[Containerd]:
         assert not leftovers, leftovers
 
 
-def _sha256_in_pod(containerd: Containerd, name: str, script: str, mount: BindMount) -> str:
-    result = containerd.run_with_mounts(
-        IMAGE, name, "/bin/sh", "-euc", script, mounts=(mount,), snapshotter="overlayfs"
-    )
+def _sha256_in_pod(containerd: Containerd, name: str, script: str, *mounts: BindMount) -> str:
+    result = containerd.run_with_mounts(IMAGE, name, "/bin/sh", "-euc", script, mounts=mounts, snapshotter="overlayfs")
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout.split()[0]
 
@@ -54,6 +57,30 @@ def test_a_pod_reads_a_checkpoint_through_the_hosts_mount(
     want = hashlib.sha256(tree.files["big.bin"]).hexdigest()
     volume = BindMount(ckpt.path, "/ckpt", read_only=True)
     assert _sha256_in_pod(containerd, f"ckpt-{tmp_path.name}", "sha256sum /ckpt/big.bin", volume) == want
+
+
+# What a job's entry point runs first: ask for the checkpoint, wait for it.
+_PREFETCH = f"""
+import os, sys, time
+path = sys.argv[1]
+print(os.getxattr(path, "{prefetch_client.XATTR}").decode())
+while (status := os.getxattr(path, "{prefetch_client.STATUS_XATTR}").decode()).startswith("running"):
+    time.sleep(0.05)
+print(status)
+"""
+
+
+def test_a_pod_has_a_checkpoint_prefetched_through_the_hosts_mount(
+    tree: Tree, nginx: Nginx, mount: Callable[..., Mount], containerd: Containerd, tmp_path: Path
+) -> None:
+    ckpt = mount(f"{nginx.url}/", "--allow-other")
+    data = tree.files["big.bin"]
+    script = f"/usr/bin/python3 -I -c '{_PREFETCH}' /ckpt/big.bin >&2; sha256sum /ckpt/big.bin"
+    volumes = (BindMount(ckpt.path, "/ckpt", read_only=True), BindMount(Path("/usr"), "/usr", read_only=True))
+    assert _sha256_in_pod(containerd, f"pf-{tmp_path.name}", script, *volumes) == hashlib.sha256(data).hexdigest()
+    assert metric(ckpt, "bootseer_hdfs_fuse_prefetched_bytes_total") == len(data)
+    # The pod's read found every page in the cache.
+    assert metric(ckpt, "bootseer_hdfs_fuse_fuse_read_request_bytes_sum") == 0
 
 
 @pytest.fixture

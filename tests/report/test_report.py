@@ -111,6 +111,17 @@ def records() -> list[dict[str, Any]]:
             waiting=0,
             episodes=[[T + 3.0, T + 3.5], [T + 4.5, T + 4.6]],
         ),
+        rec(
+            "hdfs_fuse.prefetch",
+            T + 8.0,
+            uri="hdfs://x/ckpt",
+            outcome="handed-over",
+            pushed_bytes=1_500_000,
+            size=2_000_000,
+            start=T + 3.0,
+            end=T + 8.0,
+            cgroup=f"/default/{CID}",
+        ),
         rec("hdfs_fuse.file", T + 9.5, uri="other", served_bytes=1, start=T + 8, end=T + 9.5, cgroup="/default/x"),
         rec("mark", T + 10.0, name="ready", cgroup=f"/default/{CID}", caller_pid=5),
         rec("mark", T + 11.0, name="ready", container=CID),
@@ -141,6 +152,8 @@ def test_segments_partition_the_window_from_pull_to_ready() -> None:
     assert rep.fetch["hit_ratio"] == pytest.approx(15 / 18, abs=1e-3)
     assert rep.fetch["fetched_bytes"] == 800
     assert rep.checkpoint["served_bytes"] == 2_000_000
+    # The prefetch ran beside the start: counted, but no time of its own.
+    assert rep.checkpoint["prefetches"] == 1 and rep.checkpoint["prefetched_bytes"] == 1_500_000
     assert [x["path"] for x in rep.layers] == ["lazy"]
 
 
