@@ -22,6 +22,7 @@ import trio
 from hdfs_fuse import mountinfo
 from hdfs_fuse import uri as uri_mod
 from hdfs_fuse.fuse_fs import RemoteFS
+from hdfs_fuse.mountinfo import FSTYPE
 from hdfs_fuse.reader import Client
 from hdfs_fuse.settings import HdfsFuseConfig
 
@@ -30,7 +31,6 @@ log = structlog.get_logger("bootseer.hdfs_fuse.mount")
 # Kernel requests in flight at once; each waits on a stripe in a thread.
 MAX_FUSE_TASKS = 64
 MOUNT_WAIT_S = 30.0
-FSTYPE = "fuse.hdfs-fuse"
 # How long a health check waits for the mount to answer.
 PROBE_TIMEOUT_S = 2.0
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MOUNTINFO = Path("/proc/self/mountinfo")
+# What an hdfs-fuse mount shows as its type (its FUSE subtype).
+FSTYPE = "fuse.hdfs-fuse"
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,14 @@ import errno
 import io
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
 import structlog
 
 from snapshotter import labels, parents
@@ -63,6 +65,16 @@ if TYPE_CHECKING:
     from snapshotter.registry.client import RegistryClient
 
 log = structlog.get_logger("bootseer.snapshotter")
+
+# Fetching an index is registry round trips and a download, not CPU: enough
+# threads that every layer of a large image is on its way at the first
+# Prepare, instead of the bottom layers' indexes holding up the others.
+INDEX_FETCHERS = 16
+# How long a layer's index, stored and decoded by the lookahead of a Prepare
+# below it, waits for the layer's own Prepare, which then takes it without
+# reading and decoding it again: the Prepares of one pull come within
+# seconds. One that was never asked for (an aborted pull) goes after this.
+INDEX_REUSE_S = 60.0
 
 
 class Reason(enum.StrEnum):
@@ -179,6 +191,31 @@ class LazyLayer:
     index: LayerIndex
 
 
+@dataclass
+class _IndexFetch:
+    """A layer's index on its way into the layer store, or settled: when
+    (monotonic), and either the store's `generation` of the copy it stored
+    or, None, that it failed."""
+
+    future: Future[LayerIndex]
+    settled_at: float | None = None
+    generation: str | None = None
+
+    def reusable(self, now: float, store: LayerStore, layer_digest: str, own: bool) -> bool:
+        """Whether a Prepare takes this fetch rather than starting another:
+        one in flight always; a failed one only for the lookahead (the
+        layer's `own` Prepare asks again, a registry may have recovered);
+        a stored one while the store still holds that very copy (not
+        pruned, not replaced)."""
+        if self.settled_at is None:
+            return True
+        if now - self.settled_at >= INDEX_REUSE_S:
+            return False
+        if self.generation is None:
+            return not own
+        return store.generation(layer_name(layer_digest)) == self.generation
+
+
 @dataclass(frozen=True)
 class ImageIndexes:
     """The index blobs attached to one image manifest, per layer digest: the
@@ -203,15 +240,22 @@ class RemoteLayers:
         self.mountpoint = mountpoint
         self._client_factory = client_factory
         self._client: RegistryClient | None = None
-        # Index blobs per image manifest.
+        # Index blobs per image manifest, and the listings under way: one
+        # referrers round trip per image, however many layers ask at once.
         self._artifacts: dict[str, ImageIndexes] = {}
+        self._listing: dict[str, Future[ImageIndexes]] = {}
         self._resolved: dict[str, str] = {}
         # Layer blob sizes per image manifest, as its descriptors give them.
         self._sizes: dict[str, dict[str, int]] = {}
-        self._indexes: dict[str, Future[LayerIndex]] = {}
-        self._fetchers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="index-fetch")
+        self._indexes: dict[str, _IndexFetch] = {}
+        self._fetchers = ThreadPoolExecutor(max_workers=INDEX_FETCHERS, thread_name_prefix="index-fetch")
         # Reentrant: a future that is already done runs its callback at once.
         self._lock = threading.RLock()
+        # The registry client's transport is imported on its first request
+        # (httpx's httpcore, and trio through it: ~0.1 s, more from a cold
+        # page cache); pay that now rather than in the first lazy Prepare.
+        # Nothing is read: no credentials, no hosts files.
+        self._fetchers.submit(_import_transport)
 
     @property
     def client(self) -> RegistryClient:
@@ -238,11 +282,14 @@ class RemoteLayers:
         ref = parse_reference(wanted.image_ref)
         manifest_digest = wanted.manifest_digest or self._resolve(ref)
         name = layer_name(layer_digest)
-        stored = self._stored(ref, manifest_digest, layer_digest)
+        stored = self._stored(ref, manifest_digest, layer_digest, own=True)
         # The layers above this one come next: fetch their indexes meanwhile.
         for digest in wanted.upcoming:
-            self._stored(ref, manifest_digest, digest)
+            self._stored(ref, manifest_digest, digest, own=False)
         index = stored.result()
+        # Used: a later Prepare of this layer (another image, a pull after a
+        # removal) reads the stored copy again, checking its signature.
+        self._consumed(layer_digest, stored)
         check_chain(wanted.parent_chain, index.diff_id, wanted.target)
         implicit = implicit_dirs(index.entries)
         if implicit and (why := parents.differing(implicit, wanted.lowers)):
@@ -261,20 +308,41 @@ class RemoteLayers:
         self._announce(ref, manifest_digest, layer_digest)
         return LazyLayer(path=path, index=index)
 
-    def _stored(self, ref: Reference, manifest_digest: str, layer_digest: str) -> Future[LayerIndex]:
-        """The layer's index, put in the layer store by a background thread;
-        a layer already on its way is not fetched twice."""
+    def _stored(self, ref: Reference, manifest_digest: str, layer_digest: str, own: bool) -> Future[LayerIndex]:
+        """The layer's index, put in the layer store by a background thread.
+        A layer already on its way, or stored and decoded moments ago by the
+        lookahead of a Prepare below it, is not fetched or decoded twice;
+        nor is one that failed fetched again by the lookahead (`own`: the
+        layer's own Prepare, which does try again)."""
+        now = time.monotonic()
         with self._lock:
-            future = self._indexes.get(layer_digest)
-            if future is None:
-                future = self._fetchers.submit(self._store_and_announce, ref, manifest_digest, layer_digest)
-                self._indexes[layer_digest] = future
-                future.add_done_callback(lambda _: self._forget(layer_digest))
-        return future
+            fetch = self._indexes.get(layer_digest)
+            # Bounded by what the last INDEX_REUSE_S prepared.
+            for digest, other in list(self._indexes.items()):
+                if other.settled_at is not None and now - other.settled_at >= INDEX_REUSE_S:
+                    del self._indexes[digest]
+        if fetch is not None and fetch.reusable(now, self.store, layer_digest, own):
+            return fetch.future
+        with self._lock:
+            current = self._indexes.get(layer_digest)
+            if current is not None and current is not fetch:
+                # Another Prepare started one meanwhile.
+                return current.future
+            fetch = _IndexFetch(self._fetchers.submit(self._store_and_announce, ref, manifest_digest, layer_digest))
+            self._indexes[layer_digest] = fetch
+        fetch.future.add_done_callback(lambda future: self._settle(layer_digest, fetch, future))
+        return fetch.future
 
-    def _forget(self, layer_digest: str) -> None:
+    def _settle(self, layer_digest: str, fetch: _IndexFetch, future: Future[LayerIndex]) -> None:
+        generation = None if future.exception() is not None else self.store.generation(layer_name(layer_digest))
         with self._lock:
-            self._indexes.pop(layer_digest, None)
+            fetch.generation, fetch.settled_at = generation, time.monotonic()
+
+    def _consumed(self, layer_digest: str, future: Future[LayerIndex]) -> None:
+        with self._lock:
+            fetch = self._indexes.get(layer_digest)
+            if fetch is not None and fetch.future is future:
+                del self._indexes[layer_digest]
 
     def _store_and_announce(self, ref: Reference, manifest_digest: str, layer_digest: str) -> LayerIndex:
         """The layer's index, stored; and the layer announced at once, so that
@@ -432,8 +500,29 @@ class RemoteLayers:
     def _index_blobs(self, ref: Reference, manifest_digest: str) -> ImageIndexes:
         with self._lock:
             cached = self._artifacts.get(manifest_digest)
+            listing = self._listing.get(manifest_digest) if cached is None else None
+            mine = cached is None and listing is None
+            if mine:
+                listing = self._listing[manifest_digest] = Future()
         if cached is not None:
             return cached
+        assert listing is not None
+        if not mine:
+            # The same answer (or error) as the thread already asking.
+            return listing.result()
+        try:
+            indexes = self._list_index_blobs(ref, manifest_digest)
+        except BaseException as exc:
+            listing.set_exception(exc)
+            raise
+        else:
+            listing.set_result(indexes)
+        finally:
+            with self._lock:
+                del self._listing[manifest_digest]
+        return indexes
+
+    def _list_index_blobs(self, ref: Reference, manifest_digest: str) -> ImageIndexes:
         artifacts = artifact.referrers(self.client, ref, manifest_digest, ARTIFACT_TYPE)
         indexes = ImageIndexes(any=index_blobs(artifacts), trusted=index_blobs(artifacts, self.trust.accepts_blob))
         if not indexes.any:
@@ -445,3 +534,7 @@ class RemoteLayers:
             with self._lock:
                 self._artifacts[manifest_digest] = indexes
         return indexes
+
+
+def _import_transport() -> None:
+    httpx.HTTPTransport(verify=False).close()

@@ -86,7 +86,7 @@ def _cri_proxy(cri: CriConfig, registry: RegistryConfig) -> CriProxy | None:
     if not registry.cri_credentials:
         log.warning("cri proxy without [registry] cri_credentials: pull secrets are forwarded but not kept")
     store = CriCredentialStore(Path(registry.cri_credentials)) if registry.cri_credentials else None
-    return CriProxy(Path(cri.address), cri.containerd_address, store, registry_accepts(registry))
+    return CriProxy(Path(cri.address), cri.containerd_address, store, registry_accepts(registry), cri.prefetch_roots)
 
 
 def socket_refuses(path: Path, timeout: float = HEALTH_TIMEOUT_S) -> str | None:

@@ -19,7 +19,13 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     override(cfg.snapshotter, args, root="root", address="address", metrics_address="metrics_address", lazy="lazy")
     override(cfg.fs, args, store="fs_store", mountpoint="fs_mountpoint")
-    override(cfg.cri, args, address="cri_address", containerd_address="cri_containerd_address")
+    override(
+        cfg.cri,
+        args,
+        address="cri_address",
+        containerd_address="cri_containerd_address",
+        prefetch_roots="cri_prefetch_roots",
+    )
     override(cfg.registry, args, cri_credentials="cri_credentials")
     configure_events(cfg, "snapshotter")
     status = f"serving containerd snapshots on {cfg.snapshotter.address}, state in {cfg.snapshotter.root}"
@@ -154,6 +160,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     parser.add_argument(
         "--cri-containerd-address", type=Path, help="containerd's socket, where the proxy forwards CRI image calls"
+    )
+    parser.add_argument(
+        "--cri-prefetch-root",
+        dest="cri_prefetch_roots",
+        action="append",
+        metavar="DIR",
+        help="pods may have files of hdfs-fuse mounts below DIR prefetched at PullImage (repeatable; "
+        "[cri] prefetch_roots); none: off",
     )
     _add_cri_credentials(parser)
     parser.set_defaults(func=_run)

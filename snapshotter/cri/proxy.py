@@ -20,6 +20,10 @@ pull that follows can use it. Credentials the registry refuses are not
 kept (whatever worked before stays); the pull is forwarded either way and
 fails in containerd as it would without the proxy.
 
+A pod's `bootseer.io/prefetch` annotation, in the same request's sandbox
+config, starts the checkpoint prefetches it asks for (`prefetch`), in the
+background.
+
 Secrets are never logged, nor are containerd's error messages for PullImage
 (containerd 1.6 quotes an undecodable `auth` back in its error).
 """
@@ -40,6 +44,7 @@ from google.protobuf.message import DecodeError
 from proto.k8s.cri.runtime.v1 import api_pb2 as cri
 from snapshotter.cri import metrics
 from snapshotter.cri.credentials import CriCredentialStore, InvalidAuth, PullSecret, secret_from_auth, server_matches
+from snapshotter.cri.prefetch import PodPrefetch
 from snapshotter.registry import media
 from snapshotter.registry.auth import Credentials
 from snapshotter.registry.config import client_with_credentials
@@ -191,9 +196,10 @@ def _kind(secret: PullSecret) -> str:
 
 
 class _Forwarder(grpc.GenericRpcHandler):
-    def __init__(self, channel: grpc.Channel, capture: CredentialCapture | None) -> None:
+    def __init__(self, channel: grpc.Channel, capture: CredentialCapture | None, prefetch: PodPrefetch | None) -> None:
         self._channel = channel
         self._capture = capture
+        self._prefetch = prefetch
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[bytes, bytes] | None:
         full = handler_call_details.method
@@ -213,10 +219,13 @@ class _Forwarder(grpc.GenericRpcHandler):
         code = grpc.StatusCode.OK
         image = ""
         try:
-            if method == PULL_IMAGE and self._capture is not None:
+            if method == PULL_IMAGE and (self._capture is not None or self._prefetch is not None):
                 first = next(requests, None)
                 if first is not None:
-                    image = self._capture.pull_image(first)
+                    if self._prefetch is not None:
+                        self._prefetch.pull_image(first)
+                    if self._capture is not None:
+                        image = self._capture.pull_image(first)
                     requests = itertools.chain([first], requests)
             upstream: grpc.StreamStreamMultiCallable[bytes, bytes] = self._channel.stream_stream(full)
             call = upstream(requests, timeout=_timeout(context), metadata=_forwardable(context.invocation_metadata()))
@@ -251,13 +260,22 @@ class _Forwarder(grpc.GenericRpcHandler):
 class CriProxy:
     """The proxy's gRPC server on a unix socket, forwarding to containerd."""
 
-    def __init__(self, address: Path, containerd_address: Path, store: CriCredentialStore | None, check: Check) -> None:
+    def __init__(
+        self,
+        address: Path,
+        containerd_address: Path,
+        store: CriCredentialStore | None,
+        check: Check,
+        prefetch_roots: Sequence[str] = (),
+    ) -> None:
         self.address = address
         self.containerd_address = containerd_address
         self._channel = grpc.insecure_channel(f"unix://{containerd_address.resolve()}", options=CHANNEL_OPTIONS)
+        self._prefetch = PodPrefetch(prefetch_roots) if prefetch_roots else None
+        capture = CredentialCapture(store, check) if store is not None else None
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="cri"),
-            handlers=[_Forwarder(self._channel, CredentialCapture(store, check) if store is not None else None)],
+            handlers=[_Forwarder(self._channel, capture, self._prefetch)],
             options=CHANNEL_OPTIONS,
         )
 
@@ -275,5 +293,7 @@ class CriProxy:
 
     def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         self._server.stop(grace).wait()
+        if self._prefetch is not None:
+            self._prefetch.close()
         self._channel.close()
         self.address.unlink(missing_ok=True)

@@ -114,6 +114,9 @@ def start_cri_node(plain_http_hosts: list[str], sandbox_image: str) -> CriNode:
                 str(config.workdir / "cri.sock"),
                 "--cri-containerd-address",
                 str(containerd_dir / "containerd.sock"),
+                # Where tests mount the hdfs-fuse checkpoints pods ask to have prefetched.
+                "--cri-prefetch-root",
+                "/tmp",
             ]
         )
         started.append(snapshotter)
@@ -166,9 +169,16 @@ class Kubelet:
     def version(self) -> cri.VersionResponse:
         return self.runtime.Version(cri.VersionRequest(version="v1"), timeout=CALL_TIMEOUT)
 
-    def pull(self, image: str, auth: cri.AuthConfig | None = None, timeout: float = CALL_TIMEOUT) -> str:
-        """PullImage through the image endpoint (bootseer's proxy); the image ID."""
-        request = cri.PullImageRequest(image=cri.ImageSpec(image=image), auth=auth)
+    def pull(
+        self,
+        image: str,
+        auth: cri.AuthConfig | None = None,
+        timeout: float = CALL_TIMEOUT,
+        sandbox: cri.PodSandboxConfig | None = None,
+    ) -> str:
+        """PullImage through the image endpoint (bootseer's proxy), for the
+        pod `sandbox` if given, as kubelet sends it; the image ID."""
+        request = cri.PullImageRequest(image=cri.ImageSpec(image=image), auth=auth, sandbox_config=sandbox)
         return self.images.PullImage(request, timeout=timeout).image_ref
 
     def remove_image(self, image: str) -> None:

@@ -1,4 +1,4 @@
-"""The pure part of `bootseer pull`: chain ids, unpack keys, diff ids."""
+"""The pure part of `bootseer pull`: chain ids, unpack keys, diff ids, progress bars."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from snapshotter.pull import PullError, chain_ids, diff_ids_of, unpack_key
+from snapshotter.pull import LayerProgress, PullError, chain_ids, diff_ids_of, unpack_key
+from snapshotter.registry.media import Descriptor
 
 
 def _digest(n: int) -> str:
@@ -35,3 +36,21 @@ def test_config_diff_ids_must_match_the_layers() -> None:
         diff_ids_of(config, 3)
     with pytest.raises(PullError, match=r"no rootfs\.diff_ids"):
         diff_ids_of(b"{}", 1)
+
+
+def test_layer_progress_draws_a_bar_only_where_asked() -> None:
+    layer = Descriptor("application/vnd.oci.image.layer.v1.tar+gzip", "sha256:" + "a" * 64, 1000)
+    quiet = LayerProgress(0, 1, layer, enabled=False)
+    quiet.advance(10)
+    quiet.done("fetched")
+    assert quiet.bar is None
+    # enabled None follows stderr: pytest's capture is no terminal.
+    assert LayerProgress(0, 1, layer, enabled=None).bar is None
+
+
+def test_layer_progress_shows_how_a_layer_was_satisfied(capsys: pytest.CaptureFixture[str]) -> None:
+    layer = Descriptor("application/vnd.oci.image.layer.v1.tar+gzip", "sha256:" + "b" * 64, 1000)
+    bar = LayerProgress(1, 2, layer, enabled=True)
+    bar.done("remote")
+    shown = capsys.readouterr().err
+    assert "layer 2/2 bbbbbbbbbbbb" in shown and "remote" in shown

@@ -1,0 +1,220 @@
+"""The remote Prepare path over a whole image: the first layer's Prepare
+sets every layer's index on its way at once, each index is listed, fetched
+and decoded once for the pull, and a bad index or a lost copy costs only
+its own layer."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import cast
+
+import pytest
+
+from snapshotter import remote as remote_mod
+from snapshotter.fs.layers import LayerStore
+from snapshotter.layer.index import LAYER_ANNOTATION, MEDIA_TYPE, LayerIndex, chain_ids
+from snapshotter.registry import artifact as registry_artifact
+from snapshotter.registry import media
+from snapshotter.registry.client import RegistryClient
+from snapshotter.registry.media import Descriptor, Manifest
+from snapshotter.registry.reference import Reference
+from snapshotter.registry.reference import parse as parse_reference
+from snapshotter.remote import INDEX_FETCHERS, NotLazy, Reason, RemoteLayers, RemotePrepare
+from tests.harness.trust import index_trust, signed
+from tests.unit.test_index_validation import digest_of, index_of, layer, member
+
+REF = parse_reference("registry.example/team/train:v1")
+# More layers than the snapshotter used to fetch indexes for at once (4).
+LAYERS = 6
+# Bounds a wait that fails the test; nothing is timed.
+WAIT_S = 10.0
+
+
+@dataclass
+class Image:
+    """An indexed image in memory: its layers' indexes, their signed blobs,
+    and the registry calls the Prepare path makes, counted."""
+
+    indexes: list[LayerIndex]
+    encoded: dict[str, bytes]  # index blob digest -> bytes
+    blobs: list[Descriptor]  # index blob of each layer, bottom first
+    manifest: bytes
+    fetched: list[str] = field(default_factory=list)
+    listings: int = 0
+    # Called with the index blob digest before each fetch answers.
+    before_fetch: list[Callable[[str], object]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def manifest_digest(self) -> str:
+        return digest_of(self.manifest)
+
+    @property
+    def layer_digests(self) -> list[str]:
+        return [index.layer_digest for index in self.indexes]
+
+    def fetch_blob(self, ref: Reference, digest: str, dest: io.BytesIO) -> None:
+        with self.lock:
+            self.fetched.append(digest)
+        for hook in self.before_fetch:
+            hook(digest)
+        dest.write(self.encoded[digest])
+
+    def fetch_manifest(self, ref: Reference) -> tuple[bytes, str, str]:
+        assert ref.object == self.manifest_digest
+        return self.manifest, media.OCI_MANIFEST, self.manifest_digest
+
+    def referrers(self, *_: object) -> list[Manifest]:
+        with self.lock:
+            self.listings += 1
+        config = Descriptor(media.OCI_CONFIG, digest_of(b"{}"), 2)
+        return [Manifest(media.OCI_MANIFEST, config, tuple(self.blobs))]
+
+    def fetches_of(self, i: int) -> int:
+        return self.fetched.count(self.blobs[i].digest)
+
+    def prepare(self, i: int) -> RemotePrepare:
+        """Layer i's Prepare as containerd sends it: its chainID, and the
+        layers above it in cri.image-layers."""
+        chains = chain_ids([index.diff_id for index in self.indexes])
+        return RemotePrepare(
+            target=chains[i],
+            image_ref=str(REF),
+            layer_digest=self.layer_digests[i],
+            manifest_digest=self.manifest_digest,
+            upcoming=tuple(self.layer_digests[i + 1 :]),
+            parent_chain=chains[i - 1] if i else "",
+        )
+
+
+def _image(tmp_path: Path, corrupt: int | None = None) -> Image:
+    indexes, encoded, blobs, descriptors = [], {}, [], []
+    for i in range(LAYERS):
+        blob = layer([member(f"file{i}", data=bytes([i]) * (1000 + i))])
+        index = index_of(blob, tmp_path)
+        # A corrupt index is still the blob a trusted key signed: what a
+        # broken indexer or a bad disk at the registry would publish.
+        data = b"not an index" if i == corrupt else index.encode()
+        encoded[digest_of(data)] = data
+        indexes.append(index)
+        blobs.append(
+            signed(
+                Descriptor(MEDIA_TYPE, digest_of(data), len(data), annotations={LAYER_ANNOTATION: index.layer_digest})
+            )
+        )
+        descriptors.append({"mediaType": media.OCI_LAYER_GZIP, "digest": index.layer_digest, "size": len(blob)})
+    manifest = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": media.OCI_MANIFEST,
+            "config": {"mediaType": media.OCI_CONFIG, "digest": digest_of(b"{}"), "size": 2},
+            "layers": descriptors,
+        }
+    ).encode()
+    return Image(indexes, encoded, blobs, manifest)
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A node whose layer server answers for every layer (no FUSE here)."""
+    mountpoint = tmp_path / "m"
+    mountpoint.mkdir()
+    monkeypatch.setattr(remote_mod.os.path, "ismount", lambda path: Path(path) == mountpoint)
+    monkeypatch.setattr(remote_mod.control, "lookup", lambda mount, name: True)
+    yield mountpoint
+
+
+def _remote(tmp_path: Path, mountpoint: Path, image: Image, monkeypatch: pytest.MonkeyPatch) -> RemoteLayers:
+    monkeypatch.setattr(registry_artifact, "referrers", image.referrers)
+    return RemoteLayers(
+        LayerStore(tmp_path / "layers"), mountpoint, lambda: cast(RegistryClient, image), 0, index_trust()
+    )
+
+
+def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    decodes = [0]
+    decode = LayerIndex.__dict__["decode"].__func__
+
+    def counted(cls: type[LayerIndex], data: bytes) -> LayerIndex:
+        decodes[0] += 1
+        return cast(LayerIndex, decode(cls, data))
+
+    monkeypatch.setattr(LayerIndex, "decode", classmethod(counted))
+    return decodes
+
+
+def test_the_first_prepare_sets_every_layers_index_on_its_way_at_once(
+    tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert INDEX_FETCHERS >= LAYERS
+    image = _image(tmp_path)
+    # No index fetch answers until every layer's has been asked for: one
+    # Prepare at a time, a few layers at a time, would never get there.
+    everyone = threading.Barrier(LAYERS, timeout=WAIT_S)
+    image.before_fetch.append(lambda digest: everyone.wait())
+    remote = _remote(tmp_path, node, image, monkeypatch)
+    served = remote.prepare(image.prepare(0))
+    assert served.index.layer_digest == image.layer_digests[0]
+    assert sorted(image.fetched) == sorted(blob.digest for blob in image.blobs)
+    # The rest of the pull takes what the first Prepare set going.
+    for i in range(1, LAYERS):
+        assert remote.prepare(image.prepare(i)).path == node / image.layer_digests[i].split(":")[1]
+    assert len(image.fetched) == LAYERS
+
+
+def test_each_index_is_listed_fetched_and_decoded_once_for_a_pull(
+    tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    image = _image(tmp_path)
+    remote = _remote(tmp_path, node, image, monkeypatch)
+    decodes = _count_decodes(monkeypatch)
+    for i in range(LAYERS):
+        remote.prepare(image.prepare(i))
+    assert image.listings == 1
+    assert [image.fetches_of(i) for i in range(LAYERS)] == [1] * LAYERS
+    assert decodes[0] == LAYERS
+    # A later pull of a layer (another image, after a removal) reads the
+    # stored copy again, and checks its signature again, without the registry.
+    remote.prepare(image.prepare(LAYERS - 1))
+    assert decodes[0] == LAYERS + 1 and len(image.fetched) == LAYERS
+
+
+def test_a_corrupt_index_costs_its_own_layer_and_is_asked_for_again(
+    tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = 2
+    image = _image(tmp_path, corrupt=bad)
+    remote = _remote(tmp_path, node, image, monkeypatch)
+    for i in range(bad):
+        remote.prepare(image.prepare(i))
+    with pytest.raises(NotLazy, match=f"the index of {image.layer_digests[bad]} is unusable") as refused:
+        remote.prepare(image.prepare(bad))
+    assert refused.value.reason is Reason.INDEX_REFUSED
+    assert not remote.store.has(image.layer_digests[bad])
+    # A failed lookahead is not kept: the layer's own Prepare asked again.
+    assert image.fetches_of(bad) == 2
+    # The layers above it are served from their lookahead as usual.
+    for i in range(bad + 1, LAYERS):
+        remote.prepare(image.prepare(i))
+    assert [image.fetches_of(i) for i in range(LAYERS) if i != bad] == [1] * (LAYERS - 1)
+
+
+def test_a_lookahead_copy_pruned_before_its_prepare_is_fetched_again(
+    tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    image = _image(tmp_path)
+    remote = _remote(tmp_path, node, image, monkeypatch)
+    remote.prepare(image.prepare(0))
+    for i in range(1, LAYERS):
+        remote._stored(REF, image.manifest_digest, image.layer_digests[i], own=False).result(WAIT_S)
+    # Cleanup ran between the lookahead and the Prepare (no snapshot used the layers yet).
+    pruned = remote.store.prune({image.layer_digests[0]}, older_than_s=0)
+    assert len(pruned) == LAYERS - 1
+    served = remote.prepare(image.prepare(1))
+    assert served.index.layer_digest == image.layer_digests[1]
+    assert remote.store.has(image.layer_digests[1]) and image.fetches_of(1) == 2
