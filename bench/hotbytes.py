@@ -54,7 +54,7 @@ PAGE = mmap.PAGESIZE
 # Spans whose cost the measurement reports next to the bytes read: what
 # fetching whole blocks between checkpoints that far apart moves for the same
 # reads (the span is the fetch unit bootseer's index is built with).
-SIMULATED_SPANS = (4 << 20, 2 << 20, 1 << 20, 512 << 10)
+SIMULATED_SPANS = (4 << 20, 2 << 20, 1 << 20, 512 << 10, 256 << 10, 128 << 10)
 
 
 # -- pure arithmetic (unit-tested) ---------------------------------------------
@@ -117,6 +117,21 @@ class OffsetMap:
             return 0
         starts = np.array(touched, dtype=np.float64) * span
         ends = np.minimum(starts + span, float(self.uncompressed[-1]))
+        return round(float(np.sum(self.compressed_at(ends) - self.compressed_at(starts))))
+
+    def prefix_bytes(self, ranges: list[tuple[int, int]], span: int) -> int:
+        """Like block_bytes, but each touched block costs only the compressed
+        bytes from its checkpoint to the last byte read in it: what fetching
+        a block no further than a read needs would move (inflating starts at
+        the checkpoint, so the bytes before a read in the block stay)."""
+        last: dict[int, int] = {}
+        for start, end in ranges:
+            for k in range(start // span, (end - 1) // span + 1):
+                last[k] = max(last.get(k, 0), min(end, (k + 1) * span))
+        if not last:
+            return 0
+        starts = np.array(sorted(last), dtype=np.float64) * span
+        ends = np.array([last[k] for k in sorted(last)], dtype=np.float64)
         return round(float(np.sum(self.compressed_at(ends) - self.compressed_at(starts))))
 
 
@@ -271,6 +286,8 @@ class LayerHot:
     compressed_bytes: int
     # span -> compressed bytes of the blocks of that span the reads touch (OffsetMap.block_bytes)
     block_bytes: dict[int, int]
+    # span -> the same blocks each fetched only up to its last byte read (OffsetMap.prefix_bytes)
+    prefix_bytes: dict[int, int]
 
 
 @dataclass(frozen=True)
@@ -280,6 +297,8 @@ class HotBytes:
     layers: tuple[LayerHot, ...]
     # span -> the layers' block_bytes summed: what block-granular fetching at that span moves
     block_bytes: dict[int, int]
+    # span -> the layers' prefix_bytes summed: what fetching blocks only as far as reads need moves
+    prefix_bytes: dict[int, int]
     samples_compressed_bytes: tuple[int, ...]  # one per measured start; the largest is reported
     read_ahead_off: bool
     seconds: float
@@ -333,6 +352,7 @@ def measure(
         uncompressed_bytes=sum(layer.uncompressed_bytes for layer in layers),
         layers=tuple(layers),
         block_bytes={span: sum(layer.block_bytes[span] for layer in layers) for span in SIMULATED_SPANS},
+        prefix_bytes={span: sum(layer.prefix_bytes[span] for layer in layers) for span in SIMULATED_SPANS},
         samples_compressed_bytes=tuple(sum(layer.compressed_bytes for layer in ls) for ls in samples),
         read_ahead_off=_ReadAheadOff(dirs[0]).knob is not None,
         seconds=round(time.monotonic() - started, 2),
@@ -359,8 +379,11 @@ def _one_start(
                 ranges += [(offset + a, offset + min(b, size)) for a, b in read]
         merged = merge(ranges)
         blocks = {span: lmap.offsets.block_bytes(merged, span) for span in SIMULATED_SPANS}
+        prefixes = {span: lmap.offsets.prefix_bytes(merged, span) for span in SIMULATED_SPANS}
         layers.append(
-            LayerHot(digest, files, sum(b - a for a, b in merged), lmap.offsets.compressed_bytes(merged), blocks)
+            LayerHot(
+                digest, files, sum(b - a for a, b in merged), lmap.offsets.compressed_bytes(merged), blocks, prefixes
+            )
         )
     return layers
 

@@ -51,6 +51,11 @@ from snapshotter.registry.reference import parse as parse_reference
 log = structlog.get_logger("bootseer.hotblocks")
 
 TICK_S = 0.25
+# How long a small layer's whole fetch waits for the images starting with it
+# to find their manifests (a registry lookup or two): long enough for a
+# manifest found in the registry, short enough that a layer no manifest
+# covers is not held back much.
+DECIDE_WAIT_S = 2.0
 # `[fs] hot_blocks_publish`.
 PUBLISH_MODES = ("elected", "designated", "never")
 
@@ -82,6 +87,8 @@ class _Image:
     session: RecordingSession | None = None
     started_layers: set[str] = field(default_factory=set)
     decided: bool = False
+    # Set with `decided`, for those waiting on the decision (covers).
+    decision: trio.Event = field(default_factory=trio.Event)
     # The session records only in case the manifest turns out unusable: it
     # is dropped once every layer's blocks checked out.
     provisional: bool = False
@@ -120,6 +127,8 @@ class HotBlocks:
         self.settings = settings
         self.images: dict[str, _Image] = {}
         self._nursery: trio.Nursery | None = None
+        # Set, and replaced, on every image request: for covers().
+        self._announced = trio.Event()
 
     async def run(self) -> None:
         """Own every prefetch and recording task; settle recordings."""
@@ -146,6 +155,29 @@ class HotBlocks:
             if image.session is not None:
                 image.session.access(layer, block, now)
 
+    async def covers(self, layer: str) -> bool:
+        """Whether a hot-block manifest of an image starting with `layer`
+        lists blocks of it: then the prefetch brings what a start reads, and
+        nothing else is fetched ahead (a small layer is not fetched whole).
+        The snapshotter has the layer loaded just before it announces the
+        image: waits, at most DECIDE_WAIT_S, for an image with the layer to
+        be announced and for those announced to find their manifests."""
+        with trio.move_on_after(DECIDE_WAIT_S):
+            while True:
+                images = [image for image in self.images.values() if layer in image.request.layers]
+                undecided = next((image for image in images if not image.decided), None)
+                if undecided is not None:
+                    await undecided.decision.wait()
+                elif images:
+                    break
+                else:
+                    await self._announced.wait()
+        return any(
+            image.manifest is not None and any(b.layer == layer for b in image.manifest.blocks)
+            for image in self.images.values()
+            if layer in image.request.layers
+        )
+
     async def notify(self, name: str, request: ImageRequest | None = None) -> None:
         """The request file of image `name` was written: act on it (`request`,
         if the caller has read it already)."""
@@ -155,6 +187,8 @@ class HotBlocks:
             request = read_request(self.store, name)
         if request is None or self._nursery is None:
             return
+        self._announced.set()
+        self._announced = trio.Event()
         image = self.images.get(request.image)
         if image is None:
             image = self.images[request.image] = _Image(request)
@@ -187,6 +221,7 @@ class HotBlocks:
             )
             manifest = None
         image.decided = True
+        image.decision.set()
         if manifest is not None and not image.request.record:
             image.provisional = True
         elif image.session is not None:

@@ -128,6 +128,9 @@ class BlockEvents(Protocol):
     async def notify(self, name: str, request: ImageRequest | None = None) -> None:
         """Image `name`'s request file was written; `request`: as read just now."""
 
+    async def covers(self, layer: str) -> bool:
+        """Whether a hot-block manifest says what a start reads of `layer`."""
+
 
 @dataclass
 class _Layer:
@@ -387,7 +390,12 @@ class LayerFS(fuse.Operations):
 
     async def _fetch_whole(self, layer: _Layer) -> None:
         """A small layer costs a few Range requests whole, against a miss per
-        file read (base images, interpreters, the app itself)."""
+        file read (base images, interpreters, the app itself). Not a layer a
+        hot-block manifest covers: its prefetch brings what a start reads,
+        and the rest of the layer would be bytes no start was seen to need."""
+        if self.events is not None and await self.events.covers(layer.reader.index.layer_digest):
+            log.info("small layer left to its hot-block manifest, not fetched whole", layer=layer.name)
+            return
         try:
             await layer.reader.ensure(range(len(layer.reader.index.blocks)), Origin.READAHEAD)
         except BlockUnavailable as exc:

@@ -53,6 +53,16 @@ def test_block_bytes_price_every_block_a_range_touches_whole() -> None:
     assert m.block_bytes([(0, 1000)], 300) == m.compressed_bytes([(0, 1000)]) == 100
 
 
+def test_prefix_bytes_price_each_touched_block_up_to_its_last_byte_read() -> None:
+    m = OffsetMap(np.array([0, 1000]), np.array([0, 100]))
+    # Of span 200: block 0 up to byte 11, block 2 to its end, block 3 up to 620.
+    assert m.prefix_bytes([(10, 11), (450, 620)], 200) == round(1.1 + 20 + 2)
+    # Between the bytes read and the whole blocks.
+    assert m.compressed_bytes([(10, 11), (450, 620)]) <= 23 <= m.block_bytes([(10, 11), (450, 620)], 200)
+    assert m.prefix_bytes([(990, 1000)], 400) == 20
+    assert m.prefix_bytes([], 100) == 0
+
+
 def _layer(path: Path, files: dict[str, bytes]) -> None:
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w") as tar:

@@ -55,6 +55,24 @@ class Blob:
 
 
 @dataclass
+class Events:
+    """The hot-block tracker as LayerFS sees it (layerfs.BlockEvents): every
+    block read, and manifests that cover the layers in `covered`."""
+
+    covered: set[str] = field(default_factory=set)
+    accessed: set[tuple[str, int]] = field(default_factory=set)
+
+    def access(self, layer: str, block: int) -> None:
+        self.accessed.add((layer, block))
+
+    async def notify(self, name: str, request: object = None) -> None:
+        pass
+
+    async def covers(self, layer: str) -> bool:
+        return layer in self.covered
+
+
+@dataclass
 class Mounted:
     mountpoint: Path
     store: LayerStore

@@ -22,7 +22,7 @@ from snapshotter.fs.layerfs import LayerFS
 from snapshotter.fs.layers import LayerStore
 from snapshotter.layer.index import EntryType, LayerIndex
 from snapshotter.layer.tree import ROOT
-from tests.fs.conftest import Blob, Mounted, add_layer, fill, make_layer, metric, unmount
+from tests.fs.conftest import Blob, Events, Mounted, add_layer, fill, make_layer, metric, unmount
 from tests.harness.procs import wait_until
 from tests.harness.tree import drop_page_cache
 
@@ -165,6 +165,34 @@ def test_small_layers_are_fetched_whole(mount_layers: Callable[..., Mounted], tm
     assert (m.layer(small_digest) / "f3").stat().st_size == 200_000
     assert len((m.layer(small_digest) / "f5").read_bytes()) == 200_000
     assert len(sources[small_digest].fetched) == fetched
+
+
+def test_a_small_layer_a_manifest_covers_is_not_fetched_whole(
+    mount_layers: Callable[..., Mounted], tmp_path: Path
+) -> None:
+    """Its prefetch brings what a start reads: the rest of the layer would
+    be bytes no start was seen to need. A reader still gets every file, and
+    what it reads is what is recorded."""
+    rng = random.Random(13)
+    files = {f"f{i}": rng.randbytes(200_000) for i in range(8)}
+    small = make_layer([(info(name, size=len(data)), data) for name, data in files.items()])
+    other = make_layer([(info("g", size=300_000), rng.randbytes(300_000))])
+    store = LayerStore(tmp_path / "store")
+    covered, uncovered = add_layer(store, tmp_path, small, SPAN), add_layer(store, tmp_path, other, SPAN)
+    sources = {covered: Blob(small), uncovered: Blob(other)}
+    m = mount_layers(sources, tmp_path / "store", whole_layer_bytes=len(small))
+    events = Events({covered})
+    m.ops.events = events
+    assert m.layer(covered).is_dir() and m.layer(uncovered).is_dir()
+    wait_until(lambda: sources[uncovered].bytes_fetched >= len(other), 10, "the uncovered layer fetched whole")
+    assert sources[covered].bytes_fetched == 0
+    assert (m.layer(covered) / "f5").read_bytes() == files["f5"]
+    index = m.ops.layers_by_name[covered.split(":")[1]].reader.index
+    entry = next(e for e in index.entries if e.name == "f5")
+    read = set(index.block_range(entry.offset, entry.offset + entry.size))
+    # Only the blocks holding f5 (the kernel reads no further than the file's end).
+    assert {n for layer, n in events.accessed if layer == covered} == read
+    assert sources[covered].fetched == [(index.blocks[min(read)].cstart, index.blocks[max(read)].cend)]
 
 
 def test_corrupt_bytes_are_never_served_and_cache_survives_restart(

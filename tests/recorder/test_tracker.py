@@ -467,3 +467,43 @@ def test_a_layer_the_manifest_covers_reads_ahead_only_within_it(make_node: Calla
     assert node.reader(0).cached == set(range(6)) | {8, 9}
     # 3, 4 and 5 each on demand, after the prefetch's two runs.
     assert node.fetches[2:] == [node.run_range(0, n, n) for n in (3, 4, 5)]
+
+
+def test_covers_says_which_layers_a_manifest_leaves_to_the_prefetch(make_node: Callable[..., Node]) -> None:
+    """A small layer is fetched whole only where no manifest says what a
+    start reads of it (LayerFS._fetch_whole asks this): the manifest's layer
+    is covered once the image has found its manifest, the other is not, and
+    neither is a layer no starting image has."""
+    node = make_node(layers=2)
+    node.local.put(HotManifest(IMAGE, 1, [node.block(0, 1)]))
+    found: dict[str, bool] = {}
+
+    async def body(node: Node) -> None:
+        async def ask() -> None:
+            found["manifest's layer"] = await node.hot.covers(node.digests[0])
+
+        async with trio.open_nursery() as nursery:
+            # Asked before the image is announced (the snapshotter has the
+            # layer loaded first), answered once its manifest is found.
+            nursery.start_soon(ask)
+            await trio.testing.wait_all_tasks_blocked()
+            await announce(node)
+        found["other layer"] = await node.hot.covers(node.digests[1])
+        found["no image's layer"] = await node.hot.covers("sha256:" + "0" * 64)
+
+    run(node, body)
+    assert found == {"manifest's layer": True, "other layer": False, "no image's layer": False}
+
+
+def test_a_first_run_covers_no_layer(make_node: Callable[..., Node]) -> None:
+    """Without a manifest (a recording run) small layers are fetched whole as before."""
+    node = make_node(layers=1)
+    found: list[bool] = []
+
+    async def body(node: Node) -> None:
+        await announce(node)
+        found.append(await node.hot.covers(node.digests[0]))
+        assert recording(node)
+
+    run(node, body)
+    assert found == [False]
