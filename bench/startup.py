@@ -3,8 +3,10 @@ link, for every pull mode, against stargz-snapshotter and the limits. Run:
 `make bench-startup` (`--quick` for a short run: small image, one link, one
 run per mode; `--modes`, `--link`, `--runs` to pick).
 
-- image: bench/image.py (Python, torch, numpy, weights, a long tail), pushed
-  once to a docker-registry in a network namespace of the benchmark's own;
+- image: bench/image.py, `--image full` (Python, torch, numpy, weights, a
+  long tail; `quick` is a small one) or `--image tabular` (Python, pandas,
+  pyarrow, scikit-learn, scipy, parquet shards, a tail), pushed once to a
+  docker-registry in a network namespace of the benchmark's own;
 - link: bench/link.py (tc htb on the namespace's veth + a delay-line proxy);
 - modes, interleaved round by round, caches dropped before each run:
   `overlayfs` (containerd's default: `ctr images pull`, then `ctr run`),
@@ -616,7 +618,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--link", choices=[*link.LINKS, "all"], default="all")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per mode and link")
-    parser.add_argument("--image", choices=["full", "quick"], default="full")
+    parser.add_argument("--image", choices=list(image.IMAGES), default="full")
     parser.add_argument(
         "--modes",
         default=",".join(MODES),
@@ -635,7 +637,7 @@ def main() -> None:
     specs = list(link.LINKS.values()) if args.link == "all" else [link.LINKS[args.link]]
     WORKDIR.mkdir(parents=True, exist_ok=True)
 
-    built = image.build(image.QUICK if args.image == "quick" else image.FULL, log)
+    built = image.build(image.IMAGES[args.image], log)
     log(
         f"image {built.spec.name}: {built.uncompressed_bytes / 1e9:.2f} GB uncompressed, "
         f"{built.compressed_bytes / 1e9:.2f} GB compressed, {len(built.layer_names)} layers"
