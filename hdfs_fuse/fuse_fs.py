@@ -367,7 +367,8 @@ class RemoteFS(pyfuse3.Operations):
             reader = await trio.to_thread.run_sync(self.client.reader, node.location)
         except (OSError, ValueError) as exc:
             log.warning("prefetch: open failed", uri=str(node.location), error=str(exc))
-            return f"{prefetch.State.FAILED.value} 0/{node.entry.size}: cannot open {node.location}: {exc}"
+            why = f"cannot open {node.location}: {exc}"
+            return prefetch_client.Status(prefetch.State.FAILED.value, 0, node.entry.size, why).text()
         inode, version = node.inode, reader.remote.version
         # A reader opening the file later must keep the pages pushed for it.
         self._opened_versions[inode] = version

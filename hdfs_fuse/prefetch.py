@@ -33,7 +33,7 @@ from prometheus_client import Counter
 
 import eventlog
 from hdfs_fuse.errors import RemoteReadError
-from hdfs_fuse.prefetch_client import RUNNING
+from hdfs_fuse.prefetch_client import RUNNING, Status
 from hdfs_fuse.reader import StripedReader
 
 log = structlog.get_logger("bootseer.hdfs_fuse.mount")
@@ -84,9 +84,7 @@ class Prefetch:
         self._thread.start()
 
     def status(self) -> str:
-        """`<state> <pushed>/<size>`, then `: why` when it ended early."""
-        text = f"{self.state.value} {self.pushed_bytes}/{self.reader.size}"
-        return f"{text}: {self.detail}" if self.detail else text
+        return Status(self.state.value, self.pushed_bytes, self.reader.size, self.detail).text()
 
     def join(self) -> StripedReader | None:
         """The reader, for a handle to share while the prefetch runs; None
@@ -146,20 +144,12 @@ class Prefetch:
         if state is State.HANDED_OVER:
             self.handover()
         PREFETCHES.labels(state.value).inc()
-        log.info(
-            "prefetch ended",
-            uri=self.reader.uri,
-            outcome=state.value,
-            pushed_bytes=self.pushed_bytes,
-            size=self.reader.size,
-            detail=detail,
-        )
+        ended = {"uri": self.reader.uri, "outcome": state.value, "pushed_bytes": self.pushed_bytes}
+        log.info("prefetch ended", **ended, size=self.reader.size, detail=detail)
         # Its record: the checkpoint bytes a job had fetched ahead of its read.
         eventlog.emit(
             "hdfs_fuse.prefetch",
-            uri=self.reader.uri,
-            outcome=state.value,
-            pushed_bytes=self.pushed_bytes,
+            **ended,
             size=self.reader.size,
             start=self.started,
             end=eventlog.now(),

@@ -40,6 +40,11 @@ class Status:
             raise ValueError(f"not a prefetch status: {text!r}")
         return cls(state, int(pushed or 0), int(size or 0), detail)
 
+    def text(self) -> str:
+        """What the mount answers: the form `parse` reads."""
+        counts = f"{self.state} {self.pushed_bytes}/{self.size}"
+        return f"{counts}: {self.detail}" if self.detail else counts
+
     def line(self) -> str:
         text = f"{self.state} {self.pushed_bytes}/{self.size} bytes"
         return f"{text}: {self.detail}" if self.detail else text
