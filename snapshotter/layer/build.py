@@ -21,8 +21,9 @@ from typing import BinaryIO
 
 import indexed_gzip
 
+from snapshotter.layer import windows
 from snapshotter.layer.checkpoints import parse as parse_checkpoints
-from snapshotter.layer.checkpoints import without
+from snapshotter.layer.checkpoints import raw_stream, with_windows, without
 from snapshotter.layer.index import (
     DEFAULT_SPAN,
     MAX_BLOCK_BYTES,
@@ -114,6 +115,7 @@ def build_index(
             merged_away = {b[2] for b in fine} - {b[2] for b in bounds}
             checkpoints = without(exported.getvalue(), {(u, c) for u, c in points if u in merged_away})
             blocks = _digest_blocks(blob, bounds, progress)
+            checkpoints = _prune_windows(blob, checkpoints, bounds)
             diff_id, hashed = digested.result()
         if hashed != uncompressed_size:
             raise UnsupportedLayer(
@@ -182,6 +184,21 @@ def coarsen(bounds: list[tuple[int, int, int, int]], windowless: set[int]) -> li
         out.append((cstart, cend, ustart, uend))
         merged = 1 if incompressible else 0
     return out
+
+
+def _prune_windows(blob: Path, exported: bytes, bounds: list[tuple[int, int, int, int]]) -> bytes:
+    """The checkpoints with each block's window pruned to the bytes its
+    inflation refers to (windows.prune), read block by block from `blob`."""
+    starts = {ustart: (cstart, cend) for cstart, cend, ustart, _ in bounds}
+    pruned: dict[int, bytes] = {}
+    with open(blob, "rb") as f:
+        for point in parse_checkpoints(exported):
+            if point.window is None or point.uncompressed not in starts:
+                continue
+            cstart, cend = starts[point.uncompressed]
+            f.seek(cstart)
+            pruned[point.uncompressed] = windows.prune(point.window, raw_stream(point, f.read(cend - cstart)))
+    return with_windows(exported, pruned)
 
 
 def _windowless(exported: bytes) -> set[int]:

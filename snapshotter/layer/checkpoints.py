@@ -98,6 +98,23 @@ def without(data: bytes, dropped: set[tuple[int, int]]) -> bytes:
     return header + b"".join(_POINT.pack(*head) for head in heads) + b"".join(windows)
 
 
+def with_windows(data: bytes, windows: dict[int, bytes]) -> bytes:
+    """The same index with the windows of the checkpoints at the
+    uncompressed offsets in `windows` replaced (each the same size)."""
+    *_, window_size, npoints = _HEADER.unpack_from(data, 0)
+    offset = _HEADER.size + npoints * _POINT.size
+    parts = [data[:offset]]
+    for i in range(npoints):
+        _, uncompressed, _, has_window = _POINT.unpack_from(data, _HEADER.size + i * _POINT.size)
+        if has_window:
+            window = windows.get(uncompressed, data[offset : offset + window_size])
+            if len(window) != window_size:
+                raise ValueError(f"a {len(window)}-byte window for a {window_size}-byte checkpoint")
+            parts.append(window)
+            offset += window_size
+    return b"".join(parts)
+
+
 class _BitWriter:
     """Deflate's bit order: fields least significant bit first, Huffman
     codes most significant bit first."""
@@ -158,7 +175,7 @@ def _empty_block(residue: int) -> _BitWriter:
     raise AssertionError(f"no empty block of {residue} bits modulo 8")
 
 
-def raw_stream(point: Checkpoint, data: bytes) -> bytes:
+def raw_stream(point: Checkpoint, data: bytes | memoryview) -> bytes | memoryview:
     """The raw-deflate stream from `point` on, given the blob's bytes from
     the byte before `point.compressed` (the block's range in the index)."""
     if point.bits == 0:

@@ -5,8 +5,8 @@ Blocks inflate with ISA-L from their checkpoint (see checkpoints.py), which
 releases the GIL, so blocks of one layer decode in parallel. A block that
 path cannot finish goes through indexed_gzip's own reader instead, one at a
 time. Either way the
-output's length and its last 32 KiB, which the next checkpoint's window
-holds, must match the index.
+output's length must match the index, and its last 32 KiB the next
+checkpoint's window wherever that window keeps a byte (windows.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import indexed_gzip
 from isal import isal_zlib
 
-from snapshotter.layer import checkpoints
+from snapshotter.layer import checkpoints, windows
 from snapshotter.layer.index import Compression, LayerIndex
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class _BlockWindow(io.RawIOBase):
         # zran checks the imported index against the file's size.
         self.size = size
         self.start = 0
-        self.data = b""
+        self.data: bytes | memoryview = b""
         self.pos = 0
 
     def readable(self) -> bool:
@@ -84,7 +84,7 @@ class BlockDecoder:
         self._window = _BlockWindow(index.compressed_size)
         self._gzip: indexed_gzip.IndexedGzipFile | None = None
 
-    def verify(self, number: int, data: bytes) -> None:
+    def verify(self, number: int, data: bytes | memoryview) -> None:
         block = self.index.blocks[number]
         if len(data) != block.cend - block.cstart:
             raise BlockVerificationError(
@@ -98,12 +98,12 @@ class BlockDecoder:
                 f"the index ({block.digest})"
             )
 
-    def decode(self, number: int, data: bytes) -> bytes:
+    def decode(self, number: int, data: bytes | memoryview) -> bytes:
         """Verify, then decompress block `number` from its compressed bytes."""
         self.verify(number, data)
         block = self.index.blocks[number]
         if self.index.compression != Compression.GZIP:
-            return data
+            return bytes(data)
         want = block.uend - block.ustart
         out = self._inflate(number, data, want)
         if out is None or len(out) != want:
@@ -117,14 +117,14 @@ class BlockDecoder:
             following is not None
             and following.window is not None
             and want >= len(following.window)
-            and out[len(out) - len(following.window) :] != following.window
+            and not windows.tail_matches(following.window, memoryview(out)[len(out) - len(following.window) :])
         ):
             raise BlockVerificationError(
                 f"block {number} of {self.index.layer_digest} decompressed to bytes the next checkpoint disowns"
             )
         return out
 
-    def _inflate(self, number: int, data: bytes, want: int) -> bytes | None:
+    def _inflate(self, number: int, data: bytes | memoryview, want: int) -> bytes | None:
         """The block's output through ISA-L; None if this path cannot make it."""
         point = self._points.get(self.index.blocks[number].ustart)
         if point is None:
@@ -141,7 +141,7 @@ class BlockDecoder:
         except isal_zlib.error:  # type: ignore[misc]
             return None
 
-    def _inflate_with_zran(self, number: int, data: bytes, want: int) -> bytes:
+    def _inflate_with_zran(self, number: int, data: bytes | memoryview, want: int) -> bytes:
         block = self.index.blocks[number]
         with self._lock:
             if self._gzip is None:

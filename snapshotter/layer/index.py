@@ -1,4 +1,4 @@
-"""The layer index format (version 2).
+"""The layer index format (version 3).
 
 An index describes one image layer blob, as pushed to a registry, without
 changing it:
@@ -12,7 +12,8 @@ changing it:
   of its compressed bytes. A block is the unit of fetch, verification, cache
   and record;
 - for gzip, the checkpoints themselves (indexed_gzip's exported index: the
-  compressed offset, bit offset and 32 KiB window of each);
+  compressed offset, bit offset and 32 KiB window of each, pruned to the
+  bytes the block's inflation refers to: windows.py);
 - the layer's diff_id (sha256 of the uncompressed tar stream), which binds
   the index to the chainID containerd commits the layer under (`chain_id`).
 
@@ -45,10 +46,11 @@ import zstandard
 from snapshotter.layer.checkpoints import MAX_POINTS, Checkpoint, CheckpointFormatError
 from snapshotter.layer.checkpoints import parse as parse_checkpoints
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Version 1 had no diff_id: it still decodes (the layer server goes on serving
-# layers committed from one), but the remote Prepare path refuses it.
-READABLE_VERSIONS = (1, FORMAT_VERSION)
+# layers committed from one), but the remote Prepare path refuses it. Version
+# 2 has whole windows, which version 3's check of a block's tail reads alike.
+READABLE_VERSIONS = (1, 2, FORMAT_VERSION)
 MAGIC = b"bootseer-layer-index\x00"
 MEDIA_TYPE = "application/vnd.bootseer.layer-index.v1+zstd"
 ARTIFACT_TYPE = "application/vnd.bootseer.layer-index.v1"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from isal import isal_zlib
 
-from snapshotter.layer import checkpoints
+from snapshotter.layer import build, checkpoints, windows
 from snapshotter.layer.build import build_index
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import IndexFormatError, LayerIndex
@@ -128,3 +128,54 @@ def test_malformed_checkpoints_are_refused(tmp_path: Path) -> None:
         checkpoints.parse(b"NOTGZ" + index.checkpoints[5:])
     with pytest.raises(IndexFormatError, match="gzip layer index"):
         dataclasses.replace(index, checkpoints=index.checkpoints[:40]).validate()
+
+
+def _windows(index: LayerIndex) -> dict[int, bytes]:
+    return {p.uncompressed: p.window for p in checkpoints.parse(index.checkpoints) if p.window is not None}
+
+
+def test_pruned_windows_keep_only_what_blocks_refer_to(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = _mixed_tar(6)
+    blob = gzip.compress(raw, 6)
+    pruned = _index(blob, tmp_path, span=64 << 10)
+    monkeypatch.setattr(build, "_prune_windows", lambda _blob, exported, _bounds: exported)
+    whole = _index(blob, tmp_path, span=64 << 10)
+    pruned_windows, whole_windows = _windows(pruned), _windows(whole)
+    assert pruned_windows.keys() == whole_windows.keys() and len(whole_windows) > 10
+    for offset, window in pruned_windows.items():
+        # Each byte is the window's own or a zero.
+        assert all(p in (0, w) for p, w in zip(window, whole_windows[offset], strict=True))
+    kept = sum(len(w) - w.count(0) for w in pruned_windows.values())
+    assert kept < sum(len(w) - w.count(0) for w in whole_windows.values()) // 2
+    assert len(pruned.encode()) < len(whole.encode())
+    # And every block still decodes to its bytes (the ISA-L path, with the pruned window).
+    decoder = BlockDecoder(pruned)
+    for n, b in enumerate(pruned.blocks):
+        assert decoder._inflate(n, blob[b.cstart : b.cend], b.uend - b.ustart) == raw[b.ustart : b.uend], n
+
+
+def test_a_window_pruning_cannot_vouch_for_stays_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(7)
+    text = b" ".join(bytes(rng.choices(b"abcdefgh", k=rng.randint(3, 8))) for _ in range(40_000))
+    compressor = zlib.compressobj(6, zlib.DEFLATED, -15, zdict=text[:32768])
+    stream = compressor.compress(text[32768:]) + compressor.flush()
+    window = text[:32768]
+    assert windows.prune(window, stream).count(0) > 16_000
+    # Not raw deflate at all: nothing to go by.
+    assert windows.prune(window, b"\xff" * 1000) == window
+    # Markers that name the wrong window bytes (every source below 256) give
+    # a pruned window whose output differs: the check catches it and the
+    # whole window stays.
+    monkeypatch.setattr(windows, "_HIGH", bytes(len(window)))
+    assert windows.prune(window, stream) == window
+
+
+def test_a_block_tail_is_checked_where_the_window_keeps_bytes() -> None:
+    tail = bytes(range(256)) * 128
+    pruned = bytearray(len(tail))
+    pruned[5], pruned[4000] = tail[5], tail[4000]
+    assert windows.tail_matches(bytes(pruned), tail)
+    assert windows.tail_matches(tail, tail)
+    wrong = bytearray(pruned)
+    wrong[4000] ^= 0x01
+    assert not windows.tail_matches(bytes(wrong), tail)

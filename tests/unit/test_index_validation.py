@@ -509,13 +509,13 @@ def test_a_version_1_index_still_decodes_without_a_diff_id(valid: LayerIndex) ->
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (_set(("version",), 3), "version 3 is not supported.*re-run `bootseer index`"),
+        (_set(("version",), 4), "version 4 is not supported.*re-run `bootseer index`"),
         (_set(("version",), True), "version True is not supported"),
         (_set(("diff_id",), ""), "bad diff_id"),
         (_set(("diff_id",), "sha256:" + "A" * 64), "bad diff_id"),
         (_set(("diff_id",), 7), "malformed"),
     ],
-    ids=["version-3", "bool-version", "empty-diff-id", "upper-case-diff-id", "int-diff-id"],
+    ids=["version-4", "bool-version", "empty-diff-id", "upper-case-diff-id", "int-diff-id"],
 )
 def test_a_version_or_diff_id_this_bootseer_cannot_use_is_refused(
     valid: LayerIndex, edit: Callable[[dict[str, Any]], None], message: str
