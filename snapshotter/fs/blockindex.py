@@ -9,12 +9,18 @@ The place and the last read let the cache be bounded without loading any
 layer: eviction punches a block's range out of its cache file from the
 record alone, and a restarted server orders blocks by when they were read.
 A record is deleted before its bytes are punched out, in the same step
-(eviction.py): a block is never recorded after its bytes are gone."""
+(eviction.py): a block is never recorded after its bytes are gone.
+
+Records of blocks landing together are committed together (group commit):
+every LMDB commit is a sync, which on a filesystem busy with the cache
+files' writes takes milliseconds, and a prefetch lands blocks from several
+threads at once. Each put still returns only once its record is committed."""
 
 from __future__ import annotations
 
 import enum
 import struct
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,17 +72,44 @@ def _decode(value: bytes) -> BlockRecord:
     return BlockRecord(BlockState(state), crc)
 
 
+@dataclass
+class _Put:
+    key: bytes
+    value: bytes
+    committed: bool = False
+    error: lmdb.Error | None = None
+
+
 class BlockIndex:
     def __init__(self, path: Path, map_size: int = 1 << 32) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self._env = lmdb.open(str(path), map_size=map_size, max_dbs=1)
+        # Puts waiting for a commit, and the one thread committing at a time.
+        self._pending: list[_Put] = []
+        self._pending_lock = threading.Lock()
+        self._commit_lock = threading.Lock()
 
     def put(self, layer: str, number: int, record: BlockRecord) -> None:
-        try:
-            with self._env.begin(write=True) as txn:
-                txn.put(_key(layer, number), _encode(record))
-        except lmdb.Error as exc:
-            raise BlockIndexError(f"block {number} of {layer} not recorded: {exc}") from exc
+        """Record a block; returns once the record is committed. Whoever gets
+        the commit turn commits every put waiting by then, in one transaction."""
+        put = _Put(_key(layer, number), _encode(record))
+        with self._pending_lock:
+            self._pending.append(put)
+        with self._commit_lock:
+            if not put.committed:
+                with self._pending_lock:
+                    batch, self._pending = self._pending, []
+                error = None
+                try:
+                    with self._env.begin(write=True) as txn:
+                        for item in batch:
+                            txn.put(item.key, item.value)
+                except lmdb.Error as exc:
+                    error = exc
+                for item in batch:
+                    item.committed, item.error = True, error
+        if put.error is not None:
+            raise BlockIndexError(f"block {number} of {layer} not recorded: {put.error}") from put.error
 
     def cached(self, layer: str) -> dict[int, BlockRecord]:
         """Every cached block of `layer`, by number."""

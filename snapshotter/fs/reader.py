@@ -38,13 +38,13 @@ import errno
 import math
 import os
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 import trio
+from isal import isal_zlib
 
 from snapshotter.fs import metrics
 from snapshotter.fs.blockindex import BlockIndex, BlockIndexError, BlockRecord, BlockState
@@ -307,7 +307,7 @@ class LayerReader:
         block = self.index.blocks[n]
         expected = self.unverified.pop(n)
         data = os.pread(self.fd, block.uend - block.ustart, block.ustart)
-        if zlib.crc32(data) != expected:
+        if isal_zlib.crc32(data) != expected:
             log.warning("cached block lost its bytes; fetching it again", layer=self.name, block=n)
             self.cached.discard(n)
 
@@ -560,47 +560,60 @@ class LayerReader:
 
         errors: list[Exception] = []
 
-        async def store(n: int, compressed: bytes) -> None:
+        async def store(n: int, compressed: memoryview) -> None:
             try:
-                data = await trio.to_thread.run_sync(self.decoder.decode, n, compressed)
+                uncached = await self._store_block(n, compressed)
             except Exception as exc:
                 errors.append(exc)
                 return
-            metrics.FETCHED_BLOCKS.inc()
-            uncached = await self._cache_block(n, data)
             remaining.remove(n)
             self._land(n, None, uncached)
 
+        # Views, not copies, of the run's bytes: a prefetch moves hundreds of
+        # megabytes through here, and the event loop would make every copy.
         async with trio.open_nursery() as nursery:
-            for n, compressed in split_run(list(remaining), blocks, data).items():
+            for n, compressed in split_run(list(remaining), blocks, memoryview(data)).items():
                 nursery.start_soon(store, n, compressed)
         if errors:
             raise errors[0]
 
-    async def _cache_block(self, n: int, data: bytes) -> bytes | None:
-        """Write verified block `n` to the cache once there is room for it:
-        None once it is cached, else its bytes, for its readers from memory."""
-        if self.closed:
-            return data
-        if self.cache is None:
-            failed = await trio.to_thread.run_sync(self._write, n, data)
-        elif not await self.cache.reserve(len(data)):
+    async def _store_block(self, n: int, compressed: memoryview) -> bytes | None:
+        """Verify and decode block `n`, then write it to the cache once there
+        is room for it, in one worker thread: None once it is cached, else its
+        bytes, for its readers from memory. Room is made first (the size is
+        the index's), so that decoding, writing and recording cost one thread
+        hop, not two."""
+        block = self.index.blocks[n]
+        size = block.uend - block.ustart
+        room = True
+        if self.cache is not None:
+            room = await self.cache.reserve(size)
+        data: bytes | None = None
+        failed = True
+        try:
+            data, failed = await trio.to_thread.run_sync(self._decode_and_write, n, compressed, room)
+        finally:
+            if self.cache is not None and room:
+                self.cache.settle(size, self.cache_key, n, block.ustart, data is not None and not failed)
+        metrics.FETCHED_BLOCKS.inc()
+        if not room:
             metrics.UNCACHED_BLOCKS.inc()
             log.info("nothing to evict under the cache cap; serving a block from memory", layer=self.name, block=n)
             return data
-        else:
-            failed = True
-            try:
-                if not self.closed:
-                    failed = await trio.to_thread.run_sync(self._write, n, data)
-            finally:
-                self.cache.settle(len(data), self.cache_key, n, self.index.blocks[n].ustart, not failed)
         if failed:
             if not self.closed:
                 self._distrust_cache()
             return data
         self.cached.add(n)
         return None
+
+    def _decode_and_write(self, n: int, compressed: memoryview, write: bool) -> tuple[bytes, bool]:
+        """The block's verified bytes and whether writing them to the cache
+        failed (True too when not written: `write` false or the reader closed)."""
+        data = self.decoder.decode(n, compressed)
+        if not write or self.closed:
+            return data, True
+        return data, self._write(n, data)
 
     async def _fetch_range(self, start: int, end: int, origin: Origin, deadline: float | None) -> bytes:
         """The bytes from a worker thread holding one of `origin`'s fetch
@@ -633,7 +646,8 @@ class LayerReader:
         try:
             written = os.pwrite(self.fd, data, block.ustart)
             if written == len(data):
-                record = BlockRecord(BlockState.CACHED, zlib.crc32(data), block.ustart, len(data), int(time.time()))
+                crc = isal_zlib.crc32(data)
+                record = BlockRecord(BlockState.CACHED, crc, block.ustart, len(data), int(time.time()))
                 self.block_index.put(self.cache_key, number, record)
                 return False
             error = f"short write: {written} of {len(data)} bytes"

@@ -31,9 +31,9 @@ def fetch_runs(numbers: Iterable[int], blocks: list[Block], max_bytes: int = MAX
     return runs
 
 
-def split_run(run: list[int], blocks: list[Block], data: bytes) -> dict[int, bytes]:
+def split_run(run: list[int], blocks: list[Block], data: memoryview) -> dict[int, memoryview]:
     """Each block's compressed bytes out of one run's response (blocks overlap
-    by a byte at checkpoints that start mid-byte)."""
+    by a byte at checkpoints that start mid-byte), as views of it."""
     base = blocks[run[0]].cstart
     return {n: data[blocks[n].cstart - base : blocks[n].cend - base] for n in run}
 

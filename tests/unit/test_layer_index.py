@@ -93,7 +93,7 @@ def test_block_range_and_fetch_runs() -> None:
     assert fetch_runs([5, 1, 2, 3, 8, 7], blocks) == [[5], [1, 2, 3], [8], [7]]
     assert fetch_runs([1, 2, 3], blocks, max_bytes=25) == [[1, 2], [3]]
     data = bytes(range(41))
-    parts = split_run([1, 2, 3], blocks, data[: blocks[3].cend - blocks[1].cstart])
+    parts = split_run([1, 2, 3], blocks, memoryview(data[: blocks[3].cend - blocks[1].cstart]))
     assert parts[2] == data[10:21] and len(parts[1]) == len(parts[3]) == 11
 
 
