@@ -79,8 +79,9 @@ def test_a_pod_has_a_checkpoint_prefetched_through_the_hosts_mount(
     volumes = (BindMount(ckpt.path, "/ckpt", read_only=True), BindMount(Path("/usr"), "/usr", read_only=True))
     assert _sha256_in_pod(containerd, f"pf-{tmp_path.name}", script, *volumes) == hashlib.sha256(data).hexdigest()
     assert metric(ckpt, "bootseer_hdfs_fuse_prefetched_bytes_total") == len(data)
-    # The pod's read found every page in the cache.
-    assert metric(ckpt, "bootseer_hdfs_fuse_fuse_read_request_bytes_sum") == 0
+    # The pod's read found every page in the cache, but for the few the
+    # kernel's proactive reclaim (DAMON, on these VMs) may have taken back.
+    assert metric(ckpt, "bootseer_hdfs_fuse_fuse_read_request_bytes_sum") <= len(data) // 100
 
 
 @pytest.fixture
