@@ -588,13 +588,13 @@ class LayerReader:
         room = True
         if self.cache is not None:
             room = await self.cache.reserve(size)
-        data: bytes | None = None
+        # Stays true if decoding raises: the room made is given back unused.
         failed = True
         try:
             data, failed = await trio.to_thread.run_sync(self._decode_and_write, n, compressed, room)
         finally:
             if self.cache is not None and room:
-                self.cache.settle(size, self.cache_key, n, block.ustart, data is not None and not failed)
+                self.cache.settle(size, self.cache_key, n, block.ustart, not failed)
         metrics.FETCHED_BLOCKS.inc()
         if not room:
             metrics.UNCACHED_BLOCKS.inc()

@@ -79,40 +79,47 @@ def parse(data: bytes) -> list[Checkpoint]:
     return points
 
 
-def without(data: bytes, dropped: set[tuple[int, int]]) -> bytes:
-    """The same index without the checkpoints at the (uncompressed,
-    compressed) offsets in `dropped`, and their windows."""
-    magic, version, flags, csize, usize, spacing, window_size, npoints = _HEADER.unpack_from(data, 0)
+def _raw_points(data: bytes) -> tuple[tuple[int, ...], list[tuple[tuple[int, int, int, int], bytes]]]:
+    """An index's header fields and, per checkpoint, its packed fields and
+    window (b"" where it has none), as stored: for rewriting an index this
+    module's own builder made (parse validates; this does not)."""
+    header = _HEADER.unpack_from(data, 0)
+    window_size, npoints = header[-2], header[-1]
     offset = _HEADER.size + npoints * _POINT.size
-    heads, windows = [], []
+    points = []
     for i in range(npoints):
         head = _POINT.unpack_from(data, _HEADER.size + i * _POINT.size)
         window = b""
         if head[3]:
             window = data[offset : offset + window_size]
             offset += window_size
-        if (head[1], head[0]) not in dropped:
-            heads.append(head)
-            windows.append(window)
-    header = _HEADER.pack(magic, version, flags, csize, usize, spacing, window_size, len(heads))
-    return header + b"".join(_POINT.pack(*head) for head in heads) + b"".join(windows)
+        points.append((head, window))
+    return header, points
+
+
+def _pack(header: tuple[int, ...], points: list[tuple[tuple[int, int, int, int], bytes]]) -> bytes:
+    packed = _HEADER.pack(*header[:-1], len(points))
+    return packed + b"".join(_POINT.pack(*head) for head, _ in points) + b"".join(w for _, w in points)
+
+
+def without(data: bytes, dropped: set[tuple[int, int]]) -> bytes:
+    """The same index without the checkpoints at the (uncompressed,
+    compressed) offsets in `dropped`, and their windows."""
+    header, points = _raw_points(data)
+    return _pack(header, [(head, window) for head, window in points if (head[1], head[0]) not in dropped])
 
 
 def with_windows(data: bytes, windows: dict[int, bytes]) -> bytes:
     """The same index with the windows of the checkpoints at the
     uncompressed offsets in `windows` replaced (each the same size)."""
-    *_, window_size, npoints = _HEADER.unpack_from(data, 0)
-    offset = _HEADER.size + npoints * _POINT.size
-    parts = [data[:offset]]
-    for i in range(npoints):
-        _, uncompressed, _, has_window = _POINT.unpack_from(data, _HEADER.size + i * _POINT.size)
-        if has_window:
-            window = windows.get(uncompressed, data[offset : offset + window_size])
-            if len(window) != window_size:
-                raise ValueError(f"a {len(window)}-byte window for a {window_size}-byte checkpoint")
-            parts.append(window)
-            offset += window_size
-    return b"".join(parts)
+    header, points = _raw_points(data)
+    replaced = []
+    for head, old in points:
+        new = windows.get(head[1], old) if head[3] else old
+        if len(new) != len(old):
+            raise ValueError(f"a {len(new)}-byte window for a {len(old)}-byte checkpoint")
+        replaced.append((head, new))
+    return _pack(header, replaced)
 
 
 class _BitWriter:
