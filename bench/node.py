@@ -77,13 +77,15 @@ def start_node(
     namespace: str | None = None,
     extra_config: Callable[[Path], str] | None = None,
     record_idle_s: float | None = None,
+    background_fetch: bool | None = None,
+    unpack_whole_layers: bool | None = None,
 ) -> Node:
     """A fresh node whose registry hosts in `plain_http_hosts` speak plain HTTP;
     `namespace`: the containerd namespace its `ctr` and `bootseer pull`
     commands use (containers' cgroups are named after it); `extra_config`:
     more sections for its config file, given the node's work directory;
-    `record_idle_s`: the idle window that ends a recording, if not the
-    product's."""
+    `record_idle_s`, `background_fetch`, `unpack_whole_layers`: [fs]
+    settings, if not the product's."""
     # The product's settings, not the tests': their 1 s idle window would end
     # a recording during the start's CPU-bound phases, before the shard is read.
     defaults = FsConfig()
@@ -95,6 +97,8 @@ def start_node(
         record_idle_s=defaults.record_idle_s if record_idle_s is None else record_idle_s,
         record_max_s=defaults.record_max_s,
         whole_layer_bytes=defaults.whole_layer_bytes,
+        background_fetch=defaults.background_fetch if background_fetch is None else background_fetch,
+        unpack_whole_layers=defaults.unpack_whole_layers if unpack_whole_layers is None else unpack_whole_layers,
     )
     config.write()
     # Debug logging of every FUSE call would be part of what is measured.

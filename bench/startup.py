@@ -19,10 +19,15 @@ run per mode; `--modes`, `--link`, `--runs` to pick).
   converted by `ctr-remote` to eStargz and to optimised eStargz, pulled by
   `ctr-remote image rpull` on a fresh node running stargz's daemon with its
   defaults, then `ctr run --snapshotter stargz`.
-- `lazy-warm`: every block the start reads already in the layer server's
-  cache (one node, set up once over the unshaped veth and primed by one
-  start), the start run through the layer mount: the FUSE cost of a warm start,
-  with the FUSE requests it made by opcode (`layer_server.fuse_requests.*`).
+- `lazy-warm`: every block of the image in the layer server's cache (one
+  node, set up once over the unshaped veth with `[fs] background_fetch` on,
+  primed by one start and then left until every layer is fetched whole and
+  unpacked onto local disk, fs/unpack.py): a restart on a node that holds the
+  image, whose mounts then take the local copies;
+- `lazy-warm-fuse`: the blocks the start reads in the cache and nothing
+  else (one node, primed by one start, unpacking off): the start run through
+  the layer mount, the FUSE cost of a warm start, with the FUSE requests it
+  made by opcode (`layer_server.fuse_requests.*`).
 - time to ready: from the pull's start to the script's READY line.
 - limits: the additive one, warm time + the compressed bytes of the blocks
   the start reads (the hot-block manifest) / link rate; the strict one,
@@ -41,7 +46,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -55,6 +60,7 @@ from bench import hotbytes, image, link, report, stargz, timeline
 from bench.node import Node, start_node
 from bench.report import log
 from bench.timeline import Run, ScriptOutput, Segment
+from snapshotter.fs.layers import TREE
 from tests.harness.containerd import CTR_BIN, Containerd
 from tests.harness.oci import push
 from tests.harness.tree import drop_page_cache
@@ -124,7 +130,8 @@ class Nodes:
 
     warm: Node
     direct_ref: str  # through the veth, unshaped by the proxy: what the warm node pulled
-    lazy_warm: Node | None = None  # lazily pulled, every block the start reads cached
+    lazy_warm: Node | None = None  # lazily pulled, every block cached, layers unpacked
+    lazy_warm_fuse: Node | None = None  # lazily pulled, the blocks the start reads cached
     stargz_binary: Path | None = None
 
 
@@ -219,14 +226,14 @@ def _pull_nothing(ctx: RunContext) -> list[Segment]:
     return []
 
 
-FRESH, STARGZ, WARM, LAZY_WARM = "fresh", "stargz", "warm", "lazy-warm"
+FRESH, STARGZ, WARM, LAZY_WARM, LAZY_WARM_FUSE = "fresh", "stargz", "warm", "lazy-warm", "lazy-warm-fuse"
 
 
 @dataclass(frozen=True)
 class Mode:
     name: str
     # Which node runs it: FRESH and STARGZ are new every run and pull over the
-    # link; WARM and LAZY_WARM are the long-lived ones, with nothing to pull.
+    # link; WARM and the LAZY_WARM ones are long-lived, with nothing to pull.
     node: str
     snapshotter: str
     pull: Callable[[RunContext], list[Segment]]
@@ -250,6 +257,7 @@ MODES = {
         Mode("stargz-optimized", STARGZ, stargz.SNAPSHOTTER, _pull_stargz, tag=stargz.OPTIMIZED_TAG),
         Mode("warm", WARM, "overlayfs", _pull_nothing),
         Mode("lazy-warm", LAZY_WARM, "bootseer", _pull_nothing),
+        Mode("lazy-warm-fuse", LAZY_WARM_FUSE, "bootseer", _pull_nothing),
     )
 }
 
@@ -319,6 +327,9 @@ def _node_for(setup: Setup, mode: Mode) -> AnyNode:
     if mode.node == LAZY_WARM:
         assert setup.nodes.lazy_warm is not None
         return setup.nodes.lazy_warm
+    if mode.node == LAZY_WARM_FUSE:
+        assert setup.nodes.lazy_warm_fuse is not None
+        return setup.nodes.lazy_warm_fuse
     return setup.warm
 
 
@@ -649,7 +660,7 @@ def main() -> None:
     link.remove_stale_namespaces()
     netns = link.Netns()
     netns.create()
-    registry = warm = lazy_warm = None
+    registry = warm = lazy_warm = lazy_warm_fuse = None
     stargz_images: dict[str, object] = {}
     try:
         registry = link.start_ns_registry(netns, Path(tempfile.mkdtemp(prefix="bs-bench-reg-", dir=WORKDIR)))
@@ -679,8 +690,10 @@ def main() -> None:
             f"{strict_hot.compressed_bytes / 1e6:.1f} MB compressed"
         )
         if any(m.node == LAZY_WARM for m in modes):
-            lazy_warm = _start_lazy_warm(registry.host, direct_ref)
-        nodes = Nodes(warm, direct_ref, lazy_warm, stargz_binary)
+            lazy_warm = _start_lazy_warm(registry.host, direct_ref, built.layout.layer_digests, whole=True)
+        if any(m.node == LAZY_WARM_FUSE for m in modes):
+            lazy_warm_fuse = _start_lazy_warm(registry.host, direct_ref, built.layout.layer_digests, whole=False)
+        nodes = Nodes(warm, direct_ref, lazy_warm, lazy_warm_fuse, stargz_binary)
         per_link: dict[str, dict[str, object]] = {}
         representative: dict[str, dict[str, Run]] = {}
         for spec in specs:
@@ -689,7 +702,7 @@ def main() -> None:
                 netns, nodes, spec, built, modes, args.runs, args.shaper, strict_hot
             )
     finally:
-        for node in (lazy_warm, warm):
+        for node in (lazy_warm_fuse, lazy_warm, warm):
             if node is not None:
                 node.teardown()
         if registry is not None:
@@ -721,10 +734,12 @@ def main() -> None:
     print(f"wrote {out} and {report.RESULTS / f'{NAME}.png'}")
 
 
-def _start_lazy_warm(registry_host: str, direct_ref: str) -> Node:
-    """The lazy-warm node: `bootseer pull` over the unshaped veth, then one
-    start, after which every block the start reads is in the layer cache."""
-    node = start_node([registry_host])
+def _start_lazy_warm(registry_host: str, direct_ref: str, layers: Sequence[str], whole: bool) -> Node:
+    """A lazy-warm node: `bootseer pull` over the unshaped veth, then one
+    start, after which every block the start reads is in the layer cache.
+    `whole`: with background fetch on, and back only once every layer is
+    fetched whole and unpacked; else with unpacking off."""
+    node = start_node([registry_host], background_fetch=whole, unpack_whole_layers=whole)
     try:
         pulled = subprocess.run(
             node.pull_command(direct_ref), capture_output=True, text=True, timeout=STEP_TIMEOUT, check=False
@@ -732,6 +747,14 @@ def _start_lazy_warm(registry_host: str, direct_ref: str) -> Node:
         if pulled.returncode != 0:
             raise RuntimeError(f"bootseer pull failed:\n{pulled.stdout}\n{pulled.stderr}")
         run_container(node.containerd, "bootseer", direct_ref, "lazy-warm-prime")
+        if whole:
+            trees = [node.layers.config.store / digest.split(":")[1] / TREE for digest in layers]
+            deadline = time.monotonic() + STEP_TIMEOUT
+            while not all(tree.is_dir() for tree in trees):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the lazy-warm node did not fetch and unpack every layer")
+                time.sleep(1.0)
+            log(f"lazy-warm node: {len(trees)} layers fetched whole and unpacked")
     except BaseException:
         node.teardown()
         raise

@@ -172,6 +172,7 @@ def ratios(
         "bytes_vs_stargz_optimized": ratio(b("prefetch"), b("stargz-optimized")),
         "lazy_bytes_vs_stargz": ratio(b("lazy"), b("stargz")),
         "lazy_warm_vs_warm": ratio(t("lazy-warm"), t("warm")),
+        "lazy_warm_fuse_vs_warm": ratio(t("lazy-warm-fuse"), t("warm")),
     }
 
 

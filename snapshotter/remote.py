@@ -308,6 +308,14 @@ class RemoteLayers:
         self._announce(ref, manifest_digest, layer_digest)
         return LazyLayer(path=path, index=index)
 
+    def files_of(self, layer_digest: str) -> Path:
+        """Where a layer's files are for a mount made now: the local copy
+        the layer server wrote once the layer was whole (fs/unpack.py), or
+        the layer mount."""
+        name = layer_name(layer_digest)
+        tree = self.store.tree_path(name)
+        return tree if tree.is_dir() else self.mountpoint / name
+
     def _stored(self, ref: Reference, manifest_digest: str, layer_digest: str, own: bool) -> Future[LayerIndex]:
         """The layer's index, put in the layer store by a background thread.
         A layer already on its way, or stored and decoded moments ago by the

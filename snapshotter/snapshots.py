@@ -272,10 +272,33 @@ class Snapshotter:
         own = self._dir(snap.id)
         return snapshot_mounts(snap.kind, str(own / "fs"), str(own / "work"), lowers, self.overlay_options)
 
+    def _follow_layer(self, snap: Snapshot) -> None:
+        """Point a lazily served snapshot's files at where its layer is now
+        (RemoteLayers.files_of): its local copy once the layer server has
+        unpacked it, the layer mount again if that copy went. Mounts made
+        before keep what they resolved; the link is replaced by rename."""
+        digest = snap.labels.get(label_keys.LAYER_DIGEST)
+        if self.remote is None or digest is None:
+            return
+        fs = self.fs_path(snap)
+        wanted = self.remote.files_of(digest)
+        try:
+            if Path(os.readlink(fs)) == wanted:
+                return
+        except OSError:
+            return
+        fresh = fs.with_name(f"fs.{uuid.uuid4().hex[:8]}")
+        os.symlink(wanted, fresh)
+        os.rename(fresh, fs)
+        log.info("lazily served layer now read from", snapshot=snap.key, layer=digest, files=str(wanted))
+
     def _stat_fs(self, snap: Snapshot) -> os.stat_result:
         """stat a snapshot's files, following the symlink of a layer served
-        lazily into the FUSE layer server's mount; that server being down is
-        said in words, not with the errno its mount gives."""
+        lazily into the FUSE layer server's mount (or to its local copy);
+        that server being down is said in words, not with the errno its
+        mount gives."""
+        if label_keys.REMOTE in snap.labels:
+            self._follow_layer(snap)
         fs = self.fs_path(snap)
         try:
             return os.stat(fs)

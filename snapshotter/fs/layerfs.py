@@ -67,6 +67,7 @@ from snapshotter.fs.eviction import BlockCache
 from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
 from snapshotter.fs.reader import BlockUnavailable, LayerReader, Origin, RangeFetcher
 from snapshotter.fs.slots import SlotTable
+from snapshotter.fs.unpacker import Unpacker
 from snapshotter.layer.tree import ROOT, LayerTree, Node, build_tree
 
 log = structlog.get_logger("bootseer.fs")
@@ -176,7 +177,7 @@ def _guarded(
     times = metrics.OP_SECONDS.labels(op.__name__)
 
     async def handler(self: LayerFS, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        began = _clock_ns()
+        began = self.last_request_ns = _clock_ns()
         try:
             return await op(self, *args, **kwargs)
         except fuse.FUSEError:
@@ -261,11 +262,13 @@ class LayerFS(fuse.Operations):
         cache_max_bytes: int = 0,
         unload_idle_s: float = 0.0,
         mountpoint: Path | None = None,
+        unpack_whole_layers: bool = False,
     ) -> None:
         """`cache_max_bytes`: the block cache's cap (0: none). `unload_idle_s`:
         unload layers no mount uses after this long without a request (0:
         never). `mountpoint`: where the layer mount is, to tell which
-        layers mounts use."""
+        layers mounts use. `unpack_whole_layers`: write a layer out as a
+        local directory once every block of it is cached (fs/unpack.py)."""
         super().__init__()
         self.store = store
         self.block_index = block_index
@@ -299,6 +302,9 @@ class LayerFS(fuse.Operations):
         self.background_limiter = trio.CapacityLimiter(1)
         # Whole layers fetched in the background when a bandwidth is given.
         self.background = BackgroundFetch(background_bandwidth, self.limiter) if background_bandwidth > 0 else None
+        # When the last FUSE request came (_clock_ns): unpacking waits for a quiet mount.
+        self.last_request_ns = _clock_ns()
+        self.unpacker = Unpacker(store, lambda: self.last_request_ns) if unpack_whole_layers else None
         # Layers this small (compressed) are fetched whole once loaded.
         self.whole_layer_bytes = whole_layer_bytes
         self.load_lock = trio.Lock()
@@ -382,11 +388,19 @@ class LayerFS(fuse.Operations):
                 exc_info=exc,
             )
             raise fuse.FUSEError(errno.EIO) from None
-        if layer.reader.index.compressed_size <= self.whole_layer_bytes:
+        layer.reader.on_whole = functools.partial(self._whole, layer)
+        if len(layer.reader.cached) == len(layer.reader.index.blocks):
+            self._whole(layer)
+        elif layer.reader.index.compressed_size <= self.whole_layer_bytes:
             trio.lowlevel.spawn_system_task(self._fetch_whole, layer)
         elif self.background is not None:
             self.background.add(layer)
         return layer
+
+    def _whole(self, layer: _Layer) -> None:
+        """Every block of `layer` is cached (at load, or as its last block lands)."""
+        if self.unpacker is not None:
+            self.unpacker.add(layer)
 
     async def _fetch_whole(self, layer: _Layer) -> None:
         """A small layer costs a few Range requests whole, against a miss per

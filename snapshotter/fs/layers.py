@@ -8,6 +8,7 @@ layer server (which serves them):
                              "sha256:...", "signature": "<base64>"} (the last
                              two absent for an unsigned index)
     STORE/<hex>/cache        uncompressed layer bytes, filled block by block (sparse)
+    STORE/<hex>/tree/        the layer unpacked, once every block is cached (fs.unpack)
     STORE/blocks.lmdb/       the block index: (layer copy, block) -> state and crc
     STORE/hot.lmdb/          hot-block manifests this node holds (recorder.localstore)
     STORE/images/<hex>.json  image requests to the layer server (fs.control)
@@ -46,6 +47,7 @@ INDEX = "index"
 _DOOMED = ".rm-"
 SOURCE = "source.json"
 CACHE = "cache"
+TREE = "tree"
 BLOCK_INDEX = "blocks.lmdb"
 HOT_MANIFESTS = "hot.lmdb"
 REQUESTS = "images"
@@ -104,6 +106,9 @@ class LayerStore:
 
     def cache_path(self, name: str) -> Path:
         return self.path(name) / CACHE
+
+    def tree_path(self, name: str) -> Path:
+        return self.path(name) / TREE
 
     def has(self, digest: str) -> bool:
         return (self.path(layer_name(digest)) / INDEX).exists()

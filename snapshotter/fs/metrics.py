@@ -83,6 +83,14 @@ LAYER_UNLOADS = Counter(
     "pruned (removed from the store; its cache file closed).",
     ["reason"],
 )
+UNPACKED_LAYERS = Counter(
+    "bootseer_fs_unpacked_layers",
+    "Whole layers written out as local directories for the mounts made from then on (fs.unpack): "
+    "done, no_room (it would leave less than a tenth of the disk free) or failed (the log says why); "
+    "a layer not unpacked stays on the layer mount.",
+    ["result"],
+)
+UNPACKED_BYTES = Counter("bootseer_fs_unpacked_bytes", "File bytes of the layers unpacked onto local disk.")
 
 
 class OpTimes:

@@ -38,7 +38,7 @@ import errno
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,6 +161,8 @@ class LayerReader:
         self.unread_prefetched: set[int] = set()
         # The store-wide cache accounting and its cap (None: no cap).
         self.cache = cache
+        # Told when the last missing block lands: every block is cached.
+        self.on_whole: Callable[[], None] | None = None
         # Reads and ensures under way: the reader may close only when none is.
         self.busy = 0
         # Set by every read and ensure: the layer server's idle check clears it.
@@ -204,12 +206,19 @@ class LayerReader:
             return b""
         self._refuse_if_closed()
         numbers = self.index.block_range(start, end)
-        self.busy += 1
         self.touched = True
+        with self.holding(numbers):
+            return await self._read(start, end, numbers, file_end)
+
+    @contextlib.contextmanager
+    def holding(self, numbers: range) -> Iterator[None]:
+        """Blocks `numbers` stay cached (never evicted) and the reader open
+        while the block runs."""
+        self.busy += 1
         for n in numbers:
             self.pinned[n] = self.pinned.get(n, 0) + 1
         try:
-            return await self._read(start, end, numbers, file_end)
+            yield
         finally:
             self.busy -= 1
             for n in numbers:
@@ -217,6 +226,16 @@ class LayerReader:
                     del self.pinned[n]
                 else:
                     self.pinned[n] -= 1
+
+    async def whole(self) -> bool:
+        """Whether every block is cached, each checked against its crc if an
+        earlier server cached it (a block that lost its bytes is not)."""
+        for n in list(self.unverified):
+            if n in self.unverified:
+                self._verify(n)
+            # A block read is a few milliseconds: readers come in between.
+            await trio.lowlevel.checkpoint()
+        return len(self.cached) == len(self.index.blocks)
 
     async def _read(self, start: int, end: int, numbers: range, file_end: int | None) -> bytes:
         limit = self.index.uncompressed_size if file_end is None else file_end
@@ -605,6 +624,8 @@ class LayerReader:
                 self._distrust_cache()
             return data
         self.cached.add(n)
+        if self.on_whole is not None and len(self.cached) == len(self.index.blocks):
+            self.on_whole()
         return None
 
     def _decode_and_write(self, n: int, compressed: memoryview, write: bool) -> tuple[bytes, bool]:

@@ -114,6 +114,7 @@ def serve(
         cache_max_bytes=cap,
         unload_idle_s=fs.unload_idle_s,
         mountpoint=fs.mountpoint,
+        unpack_whole_layers=fs.unpack_whole_layers,
     )
     local = LocalManifests(store.hot_manifests_path)
     hot = (
@@ -237,3 +238,5 @@ async def _main(
             nursery.start_soon(_watch_keeper, conn, holder_socket)
         if ops.background is not None:
             nursery.start_soon(ops.background.run)
+        if ops.unpacker is not None:
+            nursery.start_soon(ops.unpacker.run)

@@ -52,6 +52,12 @@ class FsConfig:
     # background_bandwidth bytes/s, pausing while readers wait on fetches.
     background_fetch: bool = False
     background_bandwidth: int = 50_000_000
+    # A layer whose every block is cached (fetched whole, in the background
+    # or because it is small) is written out as a local directory, and
+    # containers started from then on get it as a plain overlayfs lower:
+    # no FUSE request per lookup, xattr or read (fs/unpack.py). Costs the
+    # layer's uncompressed size on disk, as a normal pull would.
+    unpack_whole_layers: bool = True
     # Where the descriptor holder listens when no service manager keeps the
     # FUSE connection (docs/fuse-failover.md): a holder process keeps the
     # mount's connection, so a new layer server takes the mount over after a

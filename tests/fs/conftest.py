@@ -188,6 +188,7 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
         cache_max_bytes: int = 0,
         unload_idle_s: float = 0.0,
         maintain: bool = False,
+        unpack_whole_layers: bool = False,
     ) -> Mounted:
         store = LayerStore(store_dir or tmp_path / "store")
         block_index = BlockIndex(store.block_index_path)
@@ -202,7 +203,11 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
             cache_max_bytes=cache_max_bytes,
             unload_idle_s=unload_idle_s,
             mountpoint=mountpoint,
+            unpack_whole_layers=unpack_whole_layers,
         )
+        if ops.unpacker is not None:
+            # Tests read nothing once the layer is whole: no need to wait long.
+            ops.unpacker.quiet_s = 0.2
         fd = fuse_mount(mountpoint, MountOptions(fsname="bootseer-test", subtype="bootseer-test"))
         session = Session(ops, fd)
 
@@ -213,6 +218,8 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
             async with trio.open_nursery() as nursery:
                 if ops.background is not None:
                     nursery.start_soon(ops.background.run)
+                if ops.unpacker is not None:
+                    nursery.start_soon(ops.unpacker.run)
                 if maintain:
                     nursery.start_soon(ops.maintain)
                 await session.serve()

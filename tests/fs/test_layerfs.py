@@ -38,6 +38,11 @@ def info(name: str, kind: bytes = tarfile.REGTYPE, mode: int = 0o644, size: int 
 
 
 def rich_layer() -> tuple[bytes, dict[str, bytes]]:
+    members, files = rich_members()
+    return make_layer(members), files
+
+
+def rich_members() -> tuple[list[tuple[tarfile.TarInfo, bytes | None]], dict[str, bytes]]:
     rng = random.Random(5)
     files = {
         "etc/config.json": b'{"a": 1}\n',
@@ -68,7 +73,7 @@ def rich_layer() -> tuple[bytes, dict[str, bytes]]:
     x = info("etc/xattr", size=1)
     x.pax_headers = {"SCHILY.xattr.user.team": "ml-infra"}
     members.append((x, b"x"))
-    return make_layer(members), files
+    return members, files
 
 
 def test_tree_matches_the_tar(mount_layers: Callable[..., Mounted], tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import tempfile
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from snapshotter.fs.fusewire import handoff
 from tests.harness.procs import Daemon, DaemonError, free_tcp_port, pid_alive, start_daemon, wait_until
@@ -34,6 +35,10 @@ class LazyConfig:
     hot_blocks: bool = True
     # Off in tests, which measure what reads alone fetch.
     whole_layer_bytes: int = 0
+    background_fetch: bool = False
+    # Off in tests, which check what reads through the layer mount do; on in
+    # those of the unpacked layers themselves.
+    unpack_whole_layers: bool = False
     # [fs] hot_blocks_publish: "elected" (the code default), "designated", "never".
     hot_blocks_publish: str = "elected"
 
@@ -94,6 +99,8 @@ record_idle_s = {self.record_idle_s}
 hot_blocks = {str(self.hot_blocks).lower()}
 record_max_s = {self.record_max_s}
 whole_layer_bytes = {self.whole_layer_bytes}
+background_fetch = {str(self.background_fetch).lower()}
+unpack_whole_layers = {str(self.unpack_whole_layers).lower()}
 hot_blocks_publish = "{self.hot_blocks_publish}"
 
 [registry]
@@ -193,8 +200,9 @@ def _dead_mount(path: Path) -> bool:
     return False
 
 
-def start_layer_server(plain_http_hosts: list[str]) -> LayerServer:
-    config = LazyConfig(Path(tempfile.mkdtemp(prefix="bs-fs-", dir="/tmp")), plain_http_hosts)
+def start_layer_server(plain_http_hosts: list[str], **settings: Any) -> LayerServer:
+    """`settings`: LazyConfig fields other than the tests' defaults."""
+    config = LazyConfig(Path(tempfile.mkdtemp(prefix="bs-fs-", dir="/tmp")), plain_http_hosts, **settings)
     config.write()
     server = LayerServer(config)
     try:

@@ -9,6 +9,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from tests.harness.containerd import Containerd, start_containerd
 from tests.harness.layerserver import LayerServer, start_layer_server
@@ -97,11 +98,12 @@ class Bystander:
         assert shown == "mine\n", case
 
 
-def start_lazy_node(registry_host: str) -> LazyNode:
-    """One node: layer server, snapshotter configured for it, containerd."""
+def start_lazy_node(registry_host: str, **settings: Any) -> LazyNode:
+    """One node: layer server, snapshotter configured for it, containerd;
+    `settings`: the layer server's LazyConfig fields other than the tests' defaults."""
     started: list[LayerServer | Snapshotter | Containerd] = []
     try:
-        layers = start_layer_server([registry_host])
+        layers = start_layer_server([registry_host], **settings)
         started.append(layers)
         snapshotter = start_snapshotter(["--config", str(layers.config.path)])
         started.append(snapshotter)
