@@ -75,6 +75,8 @@ INDEX_FETCHERS = 16
 # reading and decoding it again: the Prepares of one pull come within
 # seconds. One that was never asked for (an aborted pull) goes after this.
 INDEX_REUSE_S = 60.0
+# The longest a layer's load waits for the load of the layer below it.
+PRELOAD_TURN_S = 10.0
 
 
 class Reason(enum.StrEnum):
@@ -198,6 +200,9 @@ class _IndexFetch:
     or, None, that it failed."""
 
     future: Future[LayerIndex]
+    # Set once the layer server was asked to load the layer (or the fetch
+    # ended without it): the fetch of the layer above waits for it.
+    preloaded: threading.Event
     settled_at: float | None = None
     generation: str | None = None
 
@@ -282,10 +287,12 @@ class RemoteLayers:
         ref = parse_reference(wanted.image_ref)
         manifest_digest = wanted.manifest_digest or self._resolve(ref)
         name = layer_name(layer_digest)
-        stored = self._stored(ref, manifest_digest, layer_digest, own=True)
+        mine = self._stored(ref, manifest_digest, layer_digest, own=True)
+        stored = mine.future
         # The layers above this one come next: fetch their indexes meanwhile.
+        below = mine
         for digest in wanted.upcoming:
-            self._stored(ref, manifest_digest, digest, own=False)
+            below = self._stored(ref, manifest_digest, digest, own=False, below=below)
         index = stored.result()
         # Used: a later Prepare of this layer (another image, a pull after a
         # removal) reads the stored copy again, checking its signature.
@@ -316,12 +323,16 @@ class RemoteLayers:
         tree = self.store.tree_path(name)
         return tree if tree.is_dir() else self.mountpoint / name
 
-    def _stored(self, ref: Reference, manifest_digest: str, layer_digest: str, own: bool) -> Future[LayerIndex]:
+    def _stored(
+        self, ref: Reference, manifest_digest: str, layer_digest: str, own: bool, below: _IndexFetch | None = None
+    ) -> _IndexFetch:
         """The layer's index, put in the layer store by a background thread.
         A layer already on its way, or stored and decoded moments ago by the
         lookahead of a Prepare below it, is not fetched or decoded twice;
         nor is one that failed fetched again by the lookahead (`own`: the
-        layer's own Prepare, which does try again)."""
+        layer's own Prepare, which does try again). The layer server is
+        asked to load it only after the layer `below` (the layer server
+        loads one at a time, and containerd prepares from the bottom up)."""
         now = time.monotonic()
         with self._lock:
             fetch = self._indexes.get(layer_digest)
@@ -330,16 +341,21 @@ class RemoteLayers:
                 if other.settled_at is not None and now - other.settled_at >= INDEX_REUSE_S:
                     del self._indexes[digest]
         if fetch is not None and fetch.reusable(now, self.store, layer_digest, own):
-            return fetch.future
+            return fetch
         with self._lock:
             current = self._indexes.get(layer_digest)
             if current is not None and current is not fetch:
                 # Another Prepare started one meanwhile.
-                return current.future
-            fetch = _IndexFetch(self._fetchers.submit(self._store_and_announce, ref, manifest_digest, layer_digest))
+                return current
+            preloaded = threading.Event()
+            turn = below.preloaded if below is not None else None
+            future = self._fetchers.submit(
+                self._store_and_announce, ref, manifest_digest, layer_digest, turn, preloaded
+            )
+            fetch = _IndexFetch(future, preloaded)
             self._indexes[layer_digest] = fetch
         fetch.future.add_done_callback(lambda future: self._settle(layer_digest, fetch, future))
-        return fetch.future
+        return fetch
 
     def _settle(self, layer_digest: str, fetch: _IndexFetch, future: Future[LayerIndex]) -> None:
         generation = None if future.exception() is not None else self.store.generation(layer_name(layer_digest))
@@ -352,7 +368,14 @@ class RemoteLayers:
             if fetch is not None and fetch.future is future:
                 del self._indexes[layer_digest]
 
-    def _store_and_announce(self, ref: Reference, manifest_digest: str, layer_digest: str) -> LayerIndex:
+    def _store_and_announce(
+        self,
+        ref: Reference,
+        manifest_digest: str,
+        layer_digest: str,
+        turn: threading.Event | None,
+        preloaded: threading.Event,
+    ) -> LayerIndex:
         """The layer's index, stored; and the layer announced at once, so that
         the layer server prefetches its hot blocks from now on: for the layers
         above the one being prepared (fetched ahead from cri.image-layers),
@@ -360,11 +383,16 @@ class RemoteLayers:
         fills the cache with blocks checked against this trusted index;
         whether a container is ever served the layer is still the Prepare's
         decision (chain binding, implicit directories)."""
-        index = self._store_index(ref, manifest_digest, layer_digest)
+        try:
+            index = self._store_index(ref, manifest_digest, layer_digest, turn)
+        finally:
+            preloaded.set()
         self._announce(ref, manifest_digest, layer_digest)
         return index
 
-    def _store_index(self, ref: Reference, manifest_digest: str, layer_digest: str) -> LayerIndex:
+    def _store_index(
+        self, ref: Reference, manifest_digest: str, layer_digest: str, turn: threading.Event | None = None
+    ) -> LayerIndex:
         name = layer_name(layer_digest)
         if self.store.has(layer_digest):
             stored, source = self.store.load(name)
@@ -388,6 +416,10 @@ class RemoteLayers:
         index, encoded, blob = self._fetch_index(ref, manifest_digest, layer_digest)
         source = LayerSource(ref=ref.name, digest=layer_digest, signature=Signature.from_annotations(blob.annotations))
         self.store.add(index, source, encoded)
+        if turn is not None:
+            # Bounded: the layer below's fetch always sets it, this is only
+            # a guard against waiting on a registry that hangs there.
+            turn.wait(PRELOAD_TURN_S)
         self._preload(layer_digest)
         return index
 

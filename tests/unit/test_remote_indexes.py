@@ -25,6 +25,7 @@ from snapshotter.registry.media import Descriptor, Manifest
 from snapshotter.registry.reference import Reference
 from snapshotter.registry.reference import parse as parse_reference
 from snapshotter.remote import INDEX_FETCHERS, NotLazy, Reason, RemoteLayers, RemotePrepare
+from tests.harness.procs import wait_until
 from tests.harness.trust import index_trust, signed
 from tests.unit.test_index_validation import digest_of, index_of, layer, member
 
@@ -211,10 +212,41 @@ def test_a_lookahead_copy_pruned_before_its_prepare_is_fetched_again(
     remote = _remote(tmp_path, node, image, monkeypatch)
     remote.prepare(image.prepare(0))
     for i in range(1, LAYERS):
-        remote._stored(REF, image.manifest_digest, image.layer_digests[i], own=False).result(WAIT_S)
+        remote._stored(REF, image.manifest_digest, image.layer_digests[i], own=False).future.result(WAIT_S)
     # Cleanup ran between the lookahead and the Prepare (no snapshot used the layers yet).
     pruned = remote.store.prune({image.layer_digests[0]}, older_than_s=0)
     assert len(pruned) == LAYERS - 1
     served = remote.prepare(image.prepare(1))
     assert served.index.layer_digest == image.layer_digests[1]
     assert remote.store.has(image.layer_digests[1]) and image.fetches_of(1) == 2
+
+
+def test_the_layer_server_is_asked_to_load_layers_bottom_up(
+    tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It loads one layer at a time and containerd prepares from the bottom
+    up: a layer whose index came first must not hold up the layers below."""
+    image = _image(tmp_path)
+    remote = _remote(tmp_path, node, image, monkeypatch)
+    bottom = image.blobs[0].digest
+
+    def bottom_last(digest: str) -> None:
+        # The bottom layer's index answers once every other one is stored.
+        if digest == bottom:
+            wait_until(lambda: all(remote.store.has(d) for d in image.layer_digests[1:]), WAIT_S, "the upper indexes")
+
+    image.before_fetch.append(bottom_last)
+    loaded: list[str] = []
+    lock = threading.Lock()
+
+    def lookup(mount: Path, name: str) -> bool:
+        # Control names (an image announced) are no loads.
+        with lock:
+            if name not in loaded and not name.startswith("."):
+                loaded.append(name)
+        return True
+
+    monkeypatch.setattr(remote_mod.control, "lookup", lookup)
+    for i in range(LAYERS):
+        remote.prepare(image.prepare(i))
+    assert loaded == [digest.split(":")[1] for digest in image.layer_digests]
