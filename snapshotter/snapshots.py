@@ -288,8 +288,15 @@ class Snapshotter:
         except OSError:
             return
         fresh = fs.with_name(f"fs.{uuid.uuid4().hex[:8]}")
-        os.symlink(wanted, fresh)
-        os.rename(fresh, fs)
+        try:
+            os.symlink(wanted, fresh)
+            os.rename(fresh, fs)
+        except OSError as exc:
+            # The old link still leads to the layer's files (through the mount).
+            with contextlib.suppress(OSError):
+                os.unlink(fresh)
+            log.warning("could not point a lazily served layer at its new place", snapshot=snap.key, error=str(exc))
+            return
         log.info("lazily served layer now read from", snapshot=snap.key, layer=digest, files=str(wanted))
 
     def _stat_fs(self, snap: Snapshot) -> os.stat_result:

@@ -17,7 +17,7 @@ import trio
 from snapshotter.fs import metrics
 from snapshotter.fs.layers import TREE, LayerStore
 from snapshotter.fs.served import ServedLayer
-from snapshotter.fs.unpack import UnpackError, unpack
+from snapshotter.fs.unpack import unpack
 
 log = structlog.get_logger("bootseer.fs")
 
@@ -52,6 +52,15 @@ class Unpacker:
             try:
                 await self._quiet()
                 await self._unpack(layer)
+            except Exception as exc:
+                # Layers are untrusted and disks fail: whatever unpacking one
+                # raises costs that layer its local copy, never the server.
+                metrics.UNPACKED_LAYERS.labels("failed").inc()
+                log.warning(
+                    "could not unpack a whole layer; containers go on reading it through the layer mount",
+                    layer=layer.reader.name,
+                    error=repr(exc),
+                )
             finally:
                 self._queued.discard(layer.reader.name)
 
@@ -90,14 +99,6 @@ class Unpacker:
                     stop,
                     abandon_on_cancel=True,
                 )
-        except (OSError, UnpackError) as exc:
-            metrics.UNPACKED_LAYERS.labels("failed").inc()
-            log.warning(
-                "could not unpack a whole layer; containers go on reading it through the layer mount",
-                layer=name,
-                error=str(exc),
-            )
-            return
         finally:
             # Cancelled (the server stops): the thread gives up at its next entry.
             stop.set()

@@ -162,3 +162,28 @@ def test_no_layer_is_unpacked_onto_a_disk_it_would_nearly_fill(
     )
     assert not store.tree_path(digest.split(":")[1]).exists()
     assert (m.layer(digest) / "weights").read_bytes() == data
+
+
+def test_whatever_an_unpack_raises_costs_only_the_local_copy(
+    mount_layers: Callable[..., Mounted], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault no honest layer causes (here, an error the writer does not
+    expect), injected: the layer stays on the mount, the server serves on."""
+
+    def broken(*_: object) -> None:
+        raise OverflowError("device number out of range")
+
+    monkeypatch.setattr("snapshotter.fs.unpacker.unpack", broken)
+    data = os.urandom(1 << 20)
+    blob = make_layer([(info("weights", size=len(data)), data)])
+    store = LayerStore(tmp_path / "store")
+    digest = add_layer(store, tmp_path, blob, SPAN)
+    failed = metric("bootseer_fs_unpacked_layers_total", result="failed")
+    m = mount_layers({digest: Blob(blob)}, store.root, unpack_whole_layers=True)
+    assert (m.layer(digest) / "weights").read_bytes() == data
+    wait_until(
+        lambda: metric("bootseer_fs_unpacked_layers_total", result="failed") == failed + 1, 30, "the unpack to fail"
+    )
+    assert not store.tree_path(digest.split(":")[1]).exists()
+    assert (m.layer(digest) / "weights").read_bytes() == data
+    assert m.thread.is_alive()
