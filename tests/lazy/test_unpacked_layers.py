@@ -7,6 +7,8 @@ the layer mount."""
 
 from __future__ import annotations
 
+import hashlib
+import random
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -16,7 +18,7 @@ import pytest
 from tests.harness import tree
 from tests.harness.images import awkward_layers
 from tests.harness.lazynode import LazyNode, start_lazy_node, stop_lazy_node
-from tests.harness.oci import ImageBuilder
+from tests.harness.oci import File, ImageBuilder, busybox_layer
 from tests.harness.procs import wait_until
 from tests.harness.registry import Registry
 
@@ -79,3 +81,29 @@ def test_whole_layers_are_served_from_local_disk(unpacking_node: LazyNode, image
     finally:
         for container in started:
             c.remove_container(container, check=False)
+
+
+def test_a_mount_of_unpacked_and_served_layers_together(registry: Registry, images: ImageBuilder, unique: str) -> None:
+    """The product's defaults: only small layers are fetched whole (and so
+    unpacked); a container's lowers are then some local, some the mount."""
+    big = random.Random(23).randbytes(3 << 20)
+    node = start_lazy_node(registry.host, unpack_whole_layers=True, whole_layer_bytes=2 << 20)
+    try:
+        image = images.push(f"lazy/mixed-{unique}", [busybox_layer(), [File("/big", big)]], cmd=["/bin/sleep", "600"])
+        node.index(image.ref)
+        node.pull(image.ref)
+        c = node.containerd
+        small, large = (node.layers.config.store / d.split(":")[1] / "tree" for d in image.layout.layer_digests)
+        c.ctr("run", "-d", "--snapshotter", "bootseer", image.ref, f"first-{unique}", "/bin/sleep", "600")
+        try:
+            wait_until(small.is_dir, 60, "the small layer fetched whole and unpacked")
+            # Nothing has read /big yet: its layer is not whole, so still served.
+            assert not large.exists()
+            out = c.ctr(
+                "run", "--rm", "--snapshotter", "bootseer", image.ref, f"mixed-{unique}", "/bin/sha256sum", "/big"
+            )
+            assert out.stdout.split()[0] == hashlib.sha256(big).hexdigest()
+        finally:
+            c.remove_container(f"first-{unique}", check=False)
+    finally:
+        stop_lazy_node(node)
