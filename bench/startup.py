@@ -60,7 +60,7 @@ from bench import hotbytes, image, link, report, stargz, timeline
 from bench.node import Node, start_node
 from bench.report import log
 from bench.timeline import Run, ScriptOutput, Segment
-from snapshotter.fs.layers import TREE
+from snapshotter.fs.layers import LayerStore, layer_name
 from tests.harness.containerd import CTR_BIN, Containerd
 from tests.harness.oci import push
 from tests.harness.tree import drop_page_cache
@@ -748,7 +748,8 @@ def _start_lazy_warm(registry_host: str, direct_ref: str, layers: Sequence[str],
             raise RuntimeError(f"bootseer pull failed:\n{pulled.stdout}\n{pulled.stderr}")
         run_container(node.containerd, "bootseer", direct_ref, "lazy-warm-prime")
         if whole:
-            trees = [node.layers.config.store / digest.split(":")[1] / TREE for digest in layers]
+            store = LayerStore(node.layers.config.store)
+            trees = [store.tree_path(layer_name(digest)) for digest in layers]
             deadline = time.monotonic() + STEP_TIMEOUT
             while not all(tree.is_dir() for tree in trees):
                 if time.monotonic() > deadline:

@@ -244,8 +244,7 @@ def entry_attributes(slot: int, node: Node) -> fuse.EntryAttributes:
     attr.st_size = node.size
     attr.st_blksize = BLOCK_SIZE
     attr.st_blocks = (node.size + 511) // 512
-    mtime_ns = int(node.mtime * 1e9)
-    attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = mtime_ns
+    attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = node.mtime_ns
     return attr
 
 
@@ -389,7 +388,7 @@ class LayerFS(fuse.Operations):
             )
             raise fuse.FUSEError(errno.EIO) from None
         layer.reader.on_whole = functools.partial(self._whole, layer)
-        if len(layer.reader.cached) == len(layer.reader.index.blocks):
+        if layer.reader.all_cached:
             self._whole(layer)
         elif layer.reader.index.compressed_size <= self.whole_layer_bytes:
             trio.lowlevel.spawn_system_task(self._fetch_whole, layer)

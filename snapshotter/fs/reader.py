@@ -227,6 +227,10 @@ class LayerReader:
                 else:
                     self.pinned[n] -= 1
 
+    @property
+    def all_cached(self) -> bool:
+        return len(self.cached) == len(self.index.blocks)
+
     async def whole(self) -> bool:
         """Whether every block is cached, each checked against its crc if an
         earlier server cached it (a block that lost its bytes is not)."""
@@ -235,7 +239,7 @@ class LayerReader:
                 self._verify(n)
             # A block read is a few milliseconds: readers come in between.
             await trio.lowlevel.checkpoint()
-        return len(self.cached) == len(self.index.blocks)
+        return self.all_cached
 
     async def _read(self, start: int, end: int, numbers: range, file_end: int | None) -> bytes:
         limit = self.index.uncompressed_size if file_end is None else file_end
@@ -624,7 +628,7 @@ class LayerReader:
                 self._distrust_cache()
             return data
         self.cached.add(n)
-        if self.on_whole is not None and len(self.cached) == len(self.index.blocks):
+        if self.on_whole is not None and self.all_cached:
             self.on_whole()
         return None
 

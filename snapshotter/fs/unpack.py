@@ -54,7 +54,7 @@ def unpack(tree: LayerTree, cache: Path, layer_dir: Path, name: str, stop: threa
     """Write `tree`, whose file bytes are in the layer's `cache` file, to
     `layer_dir`/`name`; UnpackError as soon as `stop` is set. Leftovers of
     an earlier attempt (a crash, a full disk) are removed first."""
-    remove_staging(layer_dir)
+    _remove_staging(layer_dir)
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=layer_dir))
     try:
         root = os.open(staging, _DIR_FLAGS)
@@ -78,7 +78,7 @@ def unpack(tree: LayerTree, cache: Path, layer_dir: Path, name: str, stop: threa
     return Unpacked(final, entries, written)
 
 
-def remove_staging(layer_dir: Path) -> None:
+def _remove_staging(layer_dir: Path) -> None:
     for leftover in layer_dir.glob(f"{STAGING_PREFIX}*"):
         shutil.rmtree(leftover, ignore_errors=True)
 
@@ -110,7 +110,7 @@ class _Writer:
                 if step is None:
                     stack.pop()
                     try:
-                        self._finish_dir(node, fd)
+                        _set_attributes(fd, node)
                     finally:
                         os.close(fd)
                     continue
@@ -142,13 +142,7 @@ class _Writer:
             fd = os.open(name, _FILE_FLAGS, 0o600, dir_fd=parent)
             try:
                 self._copy(fd, node.offset, node.size)
-                # Owner before mode (chown clears setuid bits), xattrs after
-                # the owner (chown drops security.capability), times last.
-                os.fchown(fd, node.uid, node.gid)
-                os.fchmod(fd, stat.S_IMODE(node.mode))
-                for key, value in node.xattrs.items():
-                    os.setxattr(fd, key, value)
-                os.utime(fd, ns=(_ns(node), _ns(node)))
+                _set_attributes(fd, node)
             finally:
                 os.close(fd)
             return
@@ -166,14 +160,7 @@ class _Writer:
             at = f"/proc/self/fd/{parent}/{os.fsdecode(name)}"
             for key, value in node.xattrs.items():
                 os.setxattr(at, key, value, follow_symlinks=False)
-        os.utime(name, ns=(_ns(node), _ns(node)), dir_fd=parent, follow_symlinks=False)
-
-    def _finish_dir(self, node: Node, fd: int) -> None:
-        os.fchown(fd, node.uid, node.gid)
-        os.fchmod(fd, stat.S_IMODE(node.mode))
-        for key, value in node.xattrs.items():
-            os.setxattr(fd, key, value)
-        os.utime(fd, ns=(_ns(node), _ns(node)))
+        os.utime(name, ns=(node.mtime_ns, node.mtime_ns), dir_fd=parent, follow_symlinks=False)
 
     def _copy(self, fd: int, offset: int, size: int) -> None:
         """The file's bytes from the cache file, in the kernel when it can."""
@@ -206,8 +193,15 @@ def _check_name(name: bytes) -> None:
         raise UnpackError(f"the layer's tree holds the name {name!r}, which is no single path component")
 
 
-def _ns(node: Node) -> int:
-    return int(node.mtime * 1e9)
+def _set_attributes(fd: int, node: Node) -> None:
+    """A written file's or a filled directory's attributes: owner before
+    mode (chown clears setuid bits), xattrs after the owner (chown drops
+    security.capability), times last (nothing changes them after)."""
+    os.fchown(fd, node.uid, node.gid)
+    os.fchmod(fd, stat.S_IMODE(node.mode))
+    for key, value in node.xattrs.items():
+        os.setxattr(fd, key, value)
+    os.utime(fd, ns=(node.mtime_ns, node.mtime_ns))
 
 
 def _syncfs(fd: int) -> None:

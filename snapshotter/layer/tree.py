@@ -94,6 +94,11 @@ class Node:
     def is_dir(self) -> bool:
         return stat.S_ISDIR(self.mode)
 
+    @property
+    def mtime_ns(self) -> int:
+        """The mtime the layer mount shows, and an unpacked copy gets."""
+        return int(self.mtime * 1e9)
+
 
 @dataclass
 class LayerTree:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from snapshotter.fs.layers import LayerStore, layer_name
 from tests.harness import tree
 from tests.harness.images import awkward_layers
 from tests.harness.lazynode import LazyNode, start_lazy_node, stop_lazy_node
@@ -49,8 +50,8 @@ def test_whole_layers_are_served_from_local_disk(unpacking_node: LazyNode, image
     node.index(image.ref)
     node.pull(image.ref)
     c = node.containerd
-    store = node.layers.config.store
-    trees = [store / digest.split(":")[1] / "tree" for digest in image.layout.layer_digests]
+    store = LayerStore(node.layers.config.store)
+    trees = [store.tree_path(layer_name(digest)) for digest in image.layout.layer_digests]
     c.ctr("run", "-d", "--snapshotter", "bootseer", image.ref, f"before-{unique}", "/bin/sleep", "600")
     c.ctr("images", "pull", "--plain-http", "--snapshotter", "overlayfs", image.ref)
     c.ctr("run", "-d", "--snapshotter", "overlayfs", image.ref, f"ovl-{unique}", "/bin/sleep", "600")
@@ -93,7 +94,8 @@ def test_a_mount_of_unpacked_and_served_layers_together(registry: Registry, imag
         node.index(image.ref)
         node.pull(image.ref)
         c = node.containerd
-        small, large = (node.layers.config.store / d.split(":")[1] / "tree" for d in image.layout.layer_digests)
+        store = LayerStore(node.layers.config.store)
+        small, large = (store.tree_path(layer_name(d)) for d in image.layout.layer_digests)
         c.ctr("run", "-d", "--snapshotter", "bootseer", image.ref, f"first-{unique}", "/bin/sleep", "600")
         try:
             wait_until(small.is_dir, 60, "the small layer fetched whole and unpacked")
