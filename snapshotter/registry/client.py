@@ -122,13 +122,16 @@ class RegistryClient:
 
     # -- manifests ----------------------------------------------------------
 
-    def fetch_manifest(self, ref: Reference, *, capability: str | None = None) -> tuple[bytes, str, str]:
+    def fetch_manifest(
+        self, ref: Reference, *, capability: str | None = None, fresh: bool = False
+    ) -> tuple[bytes, str, str]:
         """(bytes, media type, digest) of the manifest or index `ref` names.
         A digest in `ref` is verified; for a tag, the registry's
         Docker-Content-Digest (if any) must match what we received.
         `capability="push"` reads from the hosts that take pushes (the
         registry itself, never a caching mirror): what a read-modify-write
-        of a tag must see."""
+        of a tag must see. `fresh` asks the server first, the mirrors only if
+        it cannot be reached: a tag that lists what others publish."""
         capability = capability or ("pull" if ref.digest else "resolve")
 
         def call(endpoint: Endpoint) -> tuple[bytes, str, str]:
@@ -157,6 +160,8 @@ class RegistryClient:
                 raise ServerError.at(ref, f"manifest {ref.object}: {exc}") from None
             return data, media_type, digest
 
+        if fresh:
+            return self.transport.server_first(ref, capability, call)
         return self.transport.over_endpoints(ref, capability, call)
 
     def resolve(self, ref: Reference, platform: str | None = None) -> ResolvedImage:
@@ -360,12 +365,15 @@ class RegistryClient:
 
     def referrers(self, ref: Reference, subject_digest: str, artifact_type: str | None = None) -> list[Descriptor]:
         """Manifests whose `subject` is `subject_digest`: the referrers API, or
-        (on a 404 from a registry without it) the `sha256-<hex>` tag's index."""
+        (on a 404 from a registry without it) the `sha256-<hex>` tag's index.
+        A listing grows as artifacts are published: read from the server
+        (the mirrors only when it cannot be reached); the artifacts it names
+        are content, fetched by digest through the mirrors."""
         media.check_digest(subject_digest)
         found = self._referrers_api(ref, subject_digest, artifact_type)
         if found is None:
             try:
-                data, media_type, _ = self.fetch_manifest(ref.with_tag(referrers_tag(subject_digest)))
+                data, media_type, _ = self.fetch_manifest(ref.with_tag(referrers_tag(subject_digest)), fresh=True)
             except NotFound:
                 return []
             parsed = media.parse(data, media_type)
@@ -407,7 +415,7 @@ class RegistryClient:
             return found
 
         try:
-            return self.transport.over_endpoints(ref, "pull", call)
+            return self.transport.server_first(ref, "pull", call)
         except NotFound:
             return None
 
@@ -424,7 +432,7 @@ class RegistryClient:
             return digest
         tag = referrers_tag(subject_digest)
         try:
-            data, index_type, _ = self.fetch_manifest(ref.with_tag(tag))
+            data, index_type, _ = self.fetch_manifest(ref.with_tag(tag), capability="push")
             existing = media.parse(data, index_type)
             if not isinstance(existing, Index):
                 raise ServerError.at(ref, f"tag {tag} exists but is not an image index; it cannot hold referrers")

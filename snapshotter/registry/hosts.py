@@ -46,6 +46,14 @@ class Endpoint:
     headers: Mapping[str, str] = field(default_factory=dict)
     # Mirrors get `?ns=<registry>` so one mirror can serve several registries.
     mirror_of: str = ""
+    # The server asked first, with the mirrors behind it, for an answer a
+    # mirror may hold stale (Transport.server_first): tried as a mirror is.
+    hurried: bool = False
+
+    @property
+    def one_try(self) -> bool:
+        """Short timeouts and no retries: the next host can answer."""
+        return bool(self.mirror_of) or self.hurried
 
     @property
     def scheme(self) -> str:

@@ -38,3 +38,9 @@ MIRROR_SKIPPED = Counter(
     "('down': in its backoff period; 'range': it ignored Range for that blob)",
     ["host", "reason"],
 )
+MIRROR_MISMATCHES = Counter(
+    "bootseer_registry_mirror_mismatches_total",
+    "Answers of a hosts.toml mirror whose bytes did not match their digest (a "
+    "cache racing a tag update upstream, or a corrupt copy); the next host was asked, by host",
+    ["host"],
+)

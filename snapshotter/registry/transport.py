@@ -25,9 +25,9 @@ whenever it changes (`hosts.HostsFiles`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 from urllib.parse import urljoin, urlsplit
 
 import httpx
@@ -35,10 +35,25 @@ import structlog
 
 from snapshotter.registry.auth import Keychain
 from snapshotter.registry.authenticator import Authenticator
-from snapshotter.registry.errors import NotFound, RegistryError, ServerError, Unauthorized, Unreachable
+from snapshotter.registry.errors import (
+    DeadlineExceeded,
+    DigestMismatch,
+    NotFound,
+    RegistryError,
+    ServerError,
+    Unauthorized,
+    Unreachable,
+)
 from snapshotter.registry.health import Backoffs, MirrorPolicy
 from snapshotter.registry.hosts import Endpoint, HostsFiles
-from snapshotter.registry.metrics import MIRROR_DOWN, MIRROR_SKIPPED, RANGE_IGNORED, REQUESTS, RETRIES
+from snapshotter.registry.metrics import (
+    MIRROR_DOWN,
+    MIRROR_MISMATCHES,
+    MIRROR_SKIPPED,
+    RANGE_IGNORED,
+    REQUESTS,
+    RETRIES,
+)
 from snapshotter.registry.pools import Pools
 from snapshotter.registry.reference import Reference
 from snapshotter.registry.retry import RETRY_STATUSES, Backoff, Budget
@@ -86,6 +101,11 @@ class Request:
         """Whether `url` is on the endpoint's own origin, the one its
         credentials, headers and query are for."""
         return _origin(url) == _origin(self.endpoint.base_url)
+
+
+@dataclass(frozen=True)
+class _Answer(Generic[T]):
+    value: T
 
 
 class Transport:
@@ -148,6 +168,38 @@ class Transport:
         `ranges_of` (a blob digest: the call reads ranges of it) so is one
         that ignored Range for that blob."""
         *mirrors, server = self.endpoints(ref, capability)
+        answer = self._on_mirrors(mirrors, call, pinned, ranges_of)
+        return answer.value if answer is not None else call(server)
+
+    def server_first(self, ref: Reference, capability: str, call: Callable[[Endpoint], T]) -> T:
+        """`call` on the server, then on the mirrors (as `over_endpoints`)
+        if it fails: for answers that change, such as a referrers listing,
+        which a caching mirror may hold stale for as long as it likes
+        (docker-registry 2.8 in proxy mode keeps serving its first copy of a
+        `sha256-<hex>` tag: it cannot fetch OCI indexes from upstream).
+        With mirrors behind it the server gets one try with a mirror's
+        timeouts, so a registry that is down or rate-limiting costs what a
+        dead mirror costs. Content named by digest never needs this."""
+        *mirrors, server = self.endpoints(ref, capability)
+        if not mirrors:
+            return call(server)
+        try:
+            return call(replace(server, hurried=True))
+        except (Unreachable, ServerError, DeadlineExceeded) as exc:
+            log.warning("registry.server_failed", endpoint=server.base_url, reason=str(exc))
+            answer = self._on_mirrors(mirrors, call)
+            if answer is None:
+                raise
+            return answer.value
+
+    def _on_mirrors(
+        self,
+        mirrors: list[Endpoint],
+        call: Callable[[Endpoint], T],
+        pinned: Callable[[], bool] | None = None,
+        ranges_of: str | None = None,
+    ) -> _Answer[T] | None:
+        """The first mirror's answer to `call`; None if none gave one."""
         for endpoint in mirrors:
             if not self.health.usable(endpoint.base_url):
                 MIRROR_SKIPPED.labels(endpoint.netloc, "down").inc()
@@ -169,9 +221,21 @@ class Transport:
                     raise
                 log.info("registry.endpoint_skipped", endpoint=endpoint.base_url, reason=str(exc))
                 continue
+            except DigestMismatch as exc:
+                # A pull-through cache can answer a tag with one version's
+                # digest and another's body when the tag changes upstream
+                # meanwhile (seen with docker-registry 2.8 as a recorder
+                # rewrote a referrers tag). Nothing unverified is used, so
+                # the next host is asked.
+                self._mirror_answered(endpoint)
+                MIRROR_MISMATCHES.labels(endpoint.netloc).inc()
+                if pinned is not None and pinned():
+                    raise
+                log.warning("registry.mirror_mismatch", endpoint=endpoint.base_url, reason=str(exc))
+                continue
             self._mirror_answered(endpoint)
-            return result
-        return call(server)
+            return _Answer(result)
+        return None
 
     def _mirror_failed(self, endpoint: Endpoint, exc: Unreachable) -> None:
         period = self.health.failed(endpoint.base_url)
@@ -207,7 +271,7 @@ class Transport:
         left = budget.timeout(self.pools.timeout)
         if left is None:
             return None
-        if not endpoint.mirror_of:
+        if not endpoint.one_try:
             return httpx.Timeout(left)
         return httpx.Timeout(
             left,
@@ -219,7 +283,7 @@ class Transport:
         """Whether `exc` on `endpoint` hands over to the next host without
         another try: on a mirror, a refused or failed connection and any
         timeout (a hung mirror costs one wait, not one per retry)."""
-        return bool(endpoint.mirror_of) and isinstance(exc, httpx.ConnectError | httpx.TimeoutException)
+        return endpoint.one_try and isinstance(exc, httpx.ConnectError | httpx.TimeoutException)
 
     # -- sending, one layer per method ----------------------------------------
 
@@ -284,7 +348,7 @@ class Transport:
                 if self.gives_up_at_once(endpoint, exc):
                     raise Unreachable.at(
                         request.ref,
-                        f"mirror {endpoint.netloc} gave no answer ({reason}; connect timeout "
+                        f"{endpoint.netloc} gave no answer ({reason}; connect timeout "
                         f"{self.mirrors.connect_timeout_s:g} s, response timeout "
                         f"{self.mirrors.response_timeout_s:g} s); trying the next host",
                     ) from None
@@ -305,9 +369,9 @@ class Transport:
                 return response
             response.close()
             reason = f"HTTP {response.status_code}"
-            if endpoint.mirror_of:
+            if endpoint.one_try:
                 # The next host may well have it; containerd does not retry a mirror either.
-                raise ServerError.at(request.ref, f"mirror {endpoint.netloc} answered {reason}; trying the next host")
+                raise ServerError.at(request.ref, f"{endpoint.netloc} answered {reason}; trying the next host")
             self._retry(
                 request,
                 budget,

@@ -48,15 +48,16 @@ def model_image(images: ImageBuilder, name: str, files: int = FILES) -> PushedIm
     return images.push(name, [busybox_layer(), [Dir("/model"), *parts]], cmd=["/bin/sh", "-c", script])
 
 
-def wait_for(what: str, probe: Callable[[], object], timeout: float = 90.0) -> object:
-    """Wait for an event (not a timing assertion): fails only if it never happens."""
+def wait_for(what: str, probe: Callable[[], object], timeout: float = 90.0, node: LazyNode | None = None) -> object:
+    """Wait for an event (not a timing assertion): fails only if it never
+    happens, then with `node`'s layer server logs."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = probe()
         if value:
             return value
         time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (f"\n{node.layers.logs()}" if node is not None else ""))
 
 
 def published(ref: str) -> list[HotManifest]:

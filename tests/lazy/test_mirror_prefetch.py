@@ -1,6 +1,8 @@
 """Lazy pulls and hot-block prefetch through a real pull-through cache
 (distribution 2.8 in proxy mode) named in every node's hosts.toml, the
-registry behind it reached through a proxy that counts what it serves.
+registry behind it reached through a proxy that counts what it serves
+(referrers listings are read from the registry itself: the cache keeps
+its first copy of a referrers tag).
 
 The first node's start is served lazily and recorded, its manifest pushed
 to the registry (the only host with `push`); once the cache holds the
@@ -89,6 +91,7 @@ def test_a_later_node_is_served_and_prefetched_from_the_cache(
     wait_for(
         "the second node's prefetch of the manifest",
         lambda: second.layers.metric(PREFETCHED) >= len(manifest.blocks),
+        node=second,
     )
     assert second.containerd.run(image.ref, f"second-{unique}").strip() == "READY"
     # Everything the second node read of the layer came from the cache.

@@ -15,12 +15,14 @@ from snapshotter.registry import media
 from snapshotter.registry.auth import Keychain
 from snapshotter.registry.client import RegistryClient, referrers_tag
 from snapshotter.registry.errors import DigestMismatch, NotFound, ServerError, Unauthorized, Unreachable
+from snapshotter.registry.media import Descriptor
+from snapshotter.registry.reference import Reference
 from snapshotter.registry.reference import parse as parse_reference
 from tests.harness import faultproxy
 from tests.harness.faultproxy import FaultProxy
-from tests.harness.oci import PushedImage, write_layout
+from tests.harness.oci import File, ImageBuilder, PushedImage, write_layout
 from tests.harness.procs import free_tcp_port
-from tests.harness.registry import AuthRegistry, Registry
+from tests.harness.registry import AuthRegistry, Registry, start_registry
 from tests.registry.conftest import sample_layers
 
 pytestmark = pytest.mark.integration
@@ -271,6 +273,69 @@ def test_referrers_tag_fallback(registry: Registry, pushed: PushedImage) -> None
         assert tag_type == media.OCI_INDEX
         with pytest.raises(ValueError, match="subject"):
             client.push_referrer(subject_ref, artifact, media.OCI_MANIFEST, "sha256:" + "2" * 64)
+
+
+def _artifact(client: RegistryClient, ref: Reference, subject: Descriptor, payload: bytes) -> bytes:
+    """An artifact manifest about `subject` whose one blob (`payload`) is in the registry."""
+    empty = client.push_blob(ref, b"{}", media_type=media.OCI_EMPTY)
+    blob = client.push_blob(ref, payload)
+    return json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": media.OCI_MANIFEST,
+            "artifactType": "application/vnd.bootseer.test.v1",
+            "config": {"mediaType": media.OCI_EMPTY, "digest": empty.digest, "size": empty.size},
+            "layers": [{"mediaType": "application/octet-stream", "digest": blob.digest, "size": blob.size}],
+            "subject": subject.to_json(),
+        }
+    ).encode()
+
+
+def test_a_mirror_holding_an_old_referrers_tag_is_not_believed(
+    tmp_path: Path, registry: Registry, images: ImageBuilder, unique: str
+) -> None:
+    """A caching mirror may keep its first copy of the `sha256-<hex>` tag
+    (docker-registry 2.8 in proxy mode does); here a second real registry
+    holds that old copy. Listings come from the server, and a new entry is
+    added to the server's index, not to the mirror's old one."""
+    ref = parse_reference(images.push(f"regtest/referred-{unique}", [[File("/a", b"a")]]).ref)
+    old_copy = start_registry()
+    try:
+        with _client() as direct:
+            subject = direct.resolve(ref).manifest_descriptor
+            first_manifest = _artifact(direct, ref, subject, b"first")
+            first = direct.push_referrer(ref, first_manifest, media.OCI_MANIFEST, subject.digest)
+            index = direct.fetch_manifest(ref.with_tag(referrers_tag(subject.digest)))[0]
+            # The mirror's copy: the index as it was with one entry.
+            at_mirror = Reference(old_copy.host, ref.repository, ref.tag)
+            _artifact(direct, at_mirror, subject, b"first")
+            direct.push_manifest(at_mirror, first_manifest, media.OCI_MANIFEST)
+            direct.push_manifest(at_mirror, index, media.OCI_INDEX, tag=referrers_tag(subject.digest))
+            second = direct.push_referrer(
+                ref, _artifact(direct, ref, subject, b"second"), media.OCI_MANIFEST, subject.digest
+            )
+        with faultproxy.running(old_copy.port) as mirror:
+            hosts = tmp_path / registry.host / "hosts.toml"
+            hosts.parent.mkdir()
+            cached = f'[host."http://{mirror.host}"]\n  capabilities = ["pull", "resolve"]\n'
+            hosts.write_text(f'server = "http://{registry.host}"\n{cached}')
+            with RegistryClient(certs_dir=tmp_path, backoff=0.01) as client:
+                assert [d.digest for d in client.referrers(ref, subject.digest)] == [first, second]
+                third = client.push_referrer(
+                    ref, _artifact(client, ref, subject, b"third"), media.OCI_MANIFEST, subject.digest
+                )
+            assert not mirror.requests("GET", "/manifests/sha256-")
+            # The server's index lost nothing to the mirror's old copy.
+            with _client() as direct:
+                assert [d.digest for d in direct.referrers(ref, subject.digest)] == [first, second, third]
+
+            # A server that cannot be reached: the mirror's listing is better than none.
+            dead = free_tcp_port()
+            hosts.write_text(f'server = "http://127.0.0.1:{dead}"\n{cached}')
+            with RegistryClient(certs_dir=tmp_path, backoff=0.01, retries=0) as client:
+                assert [d.digest for d in client.referrers(ref, subject.digest)] == [first]
+    finally:
+        old_copy.stop()
 
 
 def test_index_resolution_picks_the_platform(registry: Registry, pushed: PushedImage) -> None:

@@ -4,7 +4,8 @@ never answers, and one whose bodies stall cost one wait, are skipped for
 their backoff period and used again once it ends; hosts.toml edits apply
 to a running client; a mirror that ignores Range is counted and gets no
 more ranges of that blob, so no block is read by streaming the blob from
-byte 0; and a real pull-through cache (docker-registry in proxy mode)
+byte 0; a manifest a mirror answers with bytes that do not match its
+digest is asked of the next host; and a real pull-through cache (docker-registry in proxy mode)
 serves every node after the first without the upstream serving a block
 again.
 
@@ -233,6 +234,28 @@ def test_a_mirror_that_ignores_range_is_not_asked_for_ranges_of_that_blob(
             f"bytes=0-{BLOCK - 1}",
         ]
         assert mirror.bytes_sent(digest) <= 2 * len(blob)
+
+
+def test_a_mirror_whose_manifest_does_not_match_its_digest_hands_it_to_the_next_host(
+    certs: Path, registry: Registry, big: PushedImage
+) -> None:
+    """What a pull-through cache answers while a tag changes upstream: a
+    body that does not hash to the digest it names (here a flipped bit)."""
+    with faultproxy.running(registry.port) as mirror, faultproxy.running(registry.port) as server:
+        mirror.plan("flip", "/manifests/", times=1000)
+        _hosts(certs, registry.host, server.host, mirror.host)
+        before = _metric("bootseer_registry_mirror_mismatches_total", host=mirror.host)
+        ref = parse_reference(big.ref)
+        with RegistryClient(plain_http=True) as direct:
+            truth = direct.resolve(ref).manifest_digest
+        with _client(certs) as client:
+            assert client.resolve(ref).manifest_digest == truth
+            # By digest too, and the mirror is asked again each time: it is
+            # up, only that answer was wrong.
+            assert client.fetch_manifest(ref.with_digest(truth))[2] == truth
+        assert [s.fault for s in mirror.requests("GET", "/manifests/")] == ["flip", "flip"]
+        assert len(server.requests("GET", "/manifests/")) == 2
+        assert _metric("bootseer_registry_mirror_mismatches_total", host=mirror.host) - before == 2
 
 
 def test_a_pull_through_cache_serves_every_node_after_the_first(

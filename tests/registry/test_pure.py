@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -292,6 +293,37 @@ def test_over_endpoints_skips_failing_mirrors_until_the_server(tmp_path: Path) -
     (tmp_path / "ro:1" / "hosts.toml").write_text('server = "http://ro:1"\ncapabilities = ["pull", "resolve"]\n')
     with pytest.raises(RegistryError, match=r"ro:1/a: no endpoint in hosts\.toml has the 'push' capability"):
         transport.endpoints(parse("ro:1/a"), "push")
+
+
+def test_server_first_asks_the_mirrors_only_when_the_server_fails(tmp_path: Path) -> None:
+    transport, ref = _mirrored_transport(tmp_path)
+    tried: list[tuple[str, bool]] = []
+
+    def answer(server_fails: type[RegistryError] | None) -> Callable[[Endpoint], str]:
+        def call(endpoint: Endpoint) -> str:
+            tried.append((endpoint.netloc, endpoint.one_try))
+            if endpoint.netloc == "r:5000" and server_fails is not None:
+                raise server_fails.at(ref, "down")
+            if endpoint.netloc == "m1":
+                raise NotFound.at(ref, "not here")
+            return endpoint.netloc
+
+        return call
+
+    # With mirrors behind it, the server gets a mirror's one short try.
+    assert transport.server_first(ref, "pull", answer(None)) == "r:5000" and tried == [("r:5000", True)]
+    for failure in (Unreachable, ServerError):
+        tried.clear()
+        assert transport.server_first(ref, "pull", answer(failure)) == "m2"
+        assert [netloc for netloc, _ in tried] == ["r:5000", "m1", "m2"]
+    tried.clear()
+    with pytest.raises(Unreachable, match="r:5000"):
+        transport.server_first(ref, "resolve", answer(Unreachable))
+    assert [netloc for netloc, _ in tried] == ["r:5000", "m1"]  # m2 cannot resolve
+    # Without mirrors the server keeps its full retry budget.
+    alone = Transport(certs_dir=tmp_path / "none")
+    tried.clear()
+    assert alone.server_first(ref, "pull", answer(None)) == "r:5000" and tried == [("r:5000", False)]
 
 
 def test_over_endpoints_stays_on_a_pinned_endpoint(tmp_path: Path) -> None:
