@@ -131,7 +131,7 @@ class RegistryClient:
         `capability="push"` reads from the hosts that take pushes (the
         registry itself, never a caching mirror): what a read-modify-write
         of a tag must see. `fresh` asks the server first, the mirrors only if
-        it cannot be reached: a tag that lists what others publish."""
+        it fails: a tag that lists what others publish."""
         capability = capability or ("pull" if ref.digest else "resolve")
 
         def call(endpoint: Endpoint) -> tuple[bytes, str, str]:
@@ -367,8 +367,8 @@ class RegistryClient:
         """Manifests whose `subject` is `subject_digest`: the referrers API, or
         (on a 404 from a registry without it) the `sha256-<hex>` tag's index.
         A listing grows as artifacts are published: read from the server
-        (the mirrors only when it cannot be reached); the artifacts it names
-        are content, fetched by digest through the mirrors."""
+        (the mirrors only if it fails); the artifacts it names are content,
+        fetched by digest through the mirrors."""
         media.check_digest(subject_digest)
         found = self._referrers_api(ref, subject_digest, artifact_type)
         if found is None:
