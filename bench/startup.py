@@ -63,6 +63,7 @@ from bench.timeline import Run, ScriptOutput, Segment
 from snapshotter.fs.layers import LayerStore, layer_name
 from tests.harness.containerd import CTR_BIN, Containerd
 from tests.harness.oci import push
+from tests.harness.procs import wait_until
 from tests.harness.tree import drop_page_cache
 
 NAME = "startup"
@@ -750,11 +751,12 @@ def _start_lazy_warm(registry_host: str, direct_ref: str, layers: Sequence[str],
         if whole:
             store = LayerStore(node.layers.config.store)
             trees = [store.tree_path(layer_name(digest)) for digest in layers]
-            deadline = time.monotonic() + STEP_TIMEOUT
-            while not all(tree.is_dir() for tree in trees):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the lazy-warm node did not fetch and unpack every layer")
-                time.sleep(1.0)
+            wait_until(
+                lambda: all(tree.is_dir() for tree in trees),
+                STEP_TIMEOUT,
+                "the lazy-warm node to fetch and unpack every layer",
+                node.layers.daemon,
+            )
             log(f"lazy-warm node: {len(trees)} layers fetched whole and unpacked")
     except BaseException:
         node.teardown()
