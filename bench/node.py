@@ -97,6 +97,7 @@ def start_node(
         record_idle_s=defaults.record_idle_s if record_idle_s is None else record_idle_s,
         record_max_s=defaults.record_max_s,
         whole_layer_bytes=defaults.whole_layer_bytes,
+        blocks_after_miss=defaults.blocks_after_miss,
         background_fetch=defaults.background_fetch if background_fetch is None else background_fetch,
         unpack_whole_layers=defaults.unpack_whole_layers if unpack_whole_layers is None else unpack_whole_layers,
     )

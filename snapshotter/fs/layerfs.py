@@ -262,12 +262,14 @@ class LayerFS(fuse.Operations):
         unload_idle_s: float = 0.0,
         mountpoint: Path | None = None,
         unpack_whole_layers: bool = False,
+        blocks_after_miss: int = 0,
     ) -> None:
         """`cache_max_bytes`: the block cache's cap (0: none). `unload_idle_s`:
         unload layers no mount uses after this long without a request (0:
         never). `mountpoint`: where the layer mount is, to tell which
         layers mounts use. `unpack_whole_layers`: write a layer out as a
-        local directory once every block of it is cached (fs/unpack.py)."""
+        local directory once every block of it is cached (fs/unpack.py).
+        `blocks_after_miss`: blocks fetched after a miss (`[fs]`'s)."""
         super().__init__()
         self.store = store
         self.block_index = block_index
@@ -306,6 +308,7 @@ class LayerFS(fuse.Operations):
         self.unpacker = Unpacker(store, lambda: self.last_request_ns) if unpack_whole_layers else None
         # Layers this small (compressed) are fetched whole once loaded.
         self.whole_layer_bytes = whole_layer_bytes
+        self.blocks_after_miss = blocks_after_miss
         self.load_lock = trio.Lock()
         self.cache = BlockCache(store, block_index, cache_max_bytes, self.load_lock, self._copy_in_use)
         self.cache.load()
@@ -463,6 +466,7 @@ class LayerFS(fuse.Operations):
             self._access,
             self.image_bytes.fetched,
             self.cache,
+            self.blocks_after_miss,
         )
         layer = _Layer(slot, name, source.generation, tree, reader, self.store, root_attr, parents)
         log.info("layer loaded", layer=name, slot=slot, blocks=len(index.blocks), cached=len(reader.cached))

@@ -117,6 +117,7 @@ class LayerReader:
         on_access: Callable[[str, int], None] | None = None,
         on_fetched: Callable[[str, int, str | None, bool], None] | None = None,
         cache: BlockCache | None = None,
+        blocks_after_miss: int = 0,
     ) -> None:
         self.name = name
         self.cache_key = cache_key
@@ -144,6 +145,8 @@ class LayerReader:
             Origin.BACKGROUND: background_limiter,
         }
         self.readahead = InOrderReadAhead()
+        # `[fs] blocks_after_miss`: see _neighbours.
+        self.blocks_after_miss = blocks_after_miss
         # The blocks hot-block manifests say a start of an image with this
         # layer reads (None: no manifest covers the layer). Read-ahead stays
         # within them: it only moves a hot block ahead of its turn in the
@@ -199,8 +202,8 @@ class LayerReader:
 
     async def read(self, start: int, end: int, file_end: int | None = None) -> bytes:
         """A reader's read: counted, recorded, fetched ahead of any prefetch.
-        Read-ahead stays within the file, which ends at `file_end`: the next
-        file in the tar is as likely as not to stay unread."""
+        In-order read-ahead stays within the file, which ends at `file_end`;
+        a miss also fetches the blocks right after it (`_neighbours`)."""
         end = min(end, self.index.uncompressed_size)
         if end <= start:
             return b""
@@ -252,11 +255,12 @@ class LayerReader:
                 wanting = True
                 self.readahead_marks.discard(n)
         window = self.readahead.observe(numbers.start, numbers.stop - 1)
+        count = len(self.index.blocks)
+        within_file = [n for n in window if n < count and self.index.blocks[n].ustart < limit] if wanting else []
         ahead = [
             n
-            for n in (window if wanting else ())
-            if n < len(self.index.blocks)
-            and self.index.blocks[n].ustart < limit
+            for n in dict.fromkeys([*within_file, *self._neighbours(numbers, wanting)])
+            if n < count
             and n not in self.cached
             and n not in self.inflight
             and (self.hot_blocks is None or n in self.hot_blocks)
@@ -274,6 +278,15 @@ class LayerReader:
             data = await self._pread(start, end)
         metrics.READ_BYTES.inc(len(data))
         return data
+
+    def _neighbours(self, numbers: range, wanting: bool) -> range:
+        """The blocks after a miss, whatever file they hold, while no
+        hot-block manifest covers the layer: a tar keeps a package's files
+        together, and a start that reads one file of a block mostly reads
+        the next blocks' too. Under a manifest the manifest says what to read."""
+        if not wanting or self.hot_blocks is not None:
+            return range(0)
+        return range(numbers.stop, numbers.stop + self.blocks_after_miss)
 
     async def _gather(
         self, start: int, end: int, numbers: range, uncached: dict[int, bytes], deadline: float | None

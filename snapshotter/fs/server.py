@@ -115,6 +115,7 @@ def serve(
         unload_idle_s=fs.unload_idle_s,
         mountpoint=fs.mountpoint,
         unpack_whole_layers=fs.unpack_whole_layers,
+        blocks_after_miss=fs.blocks_after_miss,
     )
     local = LocalManifests(store.hot_manifests_path)
     hot = (

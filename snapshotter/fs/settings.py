@@ -63,6 +63,12 @@ class FsConfig:
     # mount's connection, so a new layer server takes the mount over after a
     # crash or a restart and running containers keep their files.
     holder_socket: Path = Path("/run/bootseer/layer-server.fuse")
+    # A miss in a layer no hot-block manifest covers also fetches this many
+    # blocks after it, whatever files they hold, in a Range request of its
+    # own beside the miss's: a tar keeps a package's files together, and of
+    # the blocks after each miss of the benchmark image's first start 78%
+    # were read by it later (docs/benchmarks.md). 0: only what is read.
+    blocks_after_miss: int = 2
     # Layers at most this big (compressed) are fetched whole as soon as they
     # are served, with the prefetch slots: a few Range requests instead of a
     # miss per file (0: off).

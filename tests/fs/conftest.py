@@ -189,6 +189,7 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
         unload_idle_s: float = 0.0,
         maintain: bool = False,
         unpack_whole_layers: bool = False,
+        blocks_after_miss: int = 0,
     ) -> Mounted:
         store = LayerStore(store_dir or tmp_path / "store")
         block_index = BlockIndex(store.block_index_path)
@@ -204,6 +205,7 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
             unload_idle_s=unload_idle_s,
             mountpoint=mountpoint,
             unpack_whole_layers=unpack_whole_layers,
+            blocks_after_miss=blocks_after_miss,
         )
         if ops.unpacker is not None:
             # Tests read nothing once the layer is whole: no need to wait long.

@@ -1,8 +1,8 @@
 """What a read through the layer mount moves: the blocks holding the bytes
-read and, with the kernel read-ahead the layer server sets on its mount, not
-the blocks around them, which a start never reads; and what the hot-block
-record then holds: the blocks read, no more. A real FUSE mount of the layer
-server (tests.fs.conftest), the server's own read-ahead set on it."""
+read, the few after a miss while no hot-block manifest covers the layer, and
+nothing else; and what the hot-block record then holds: the blocks read, no
+more. A real FUSE mount of the layer server (tests.fs.conftest), the
+server's own read-ahead set on it."""
 
 from __future__ import annotations
 
@@ -15,9 +15,13 @@ from pathlib import Path
 
 from hdfs_fuse.mount import set_kernel_readahead
 from snapshotter.fs.layers import LayerStore
+from snapshotter.fs.settings import FsConfig
 from tests.fs.conftest import Blob, Events, Mounted, add_layer, make_layer
+from tests.harness.procs import wait_until
 
 SPAN = 1 << 20
+# The product's `[fs] blocks_after_miss`.
+AFTER_MISS = FsConfig().blocks_after_miss
 FILE_BYTES = 16 << 20
 # The mount's read-ahead here: half a block, so a fault's read-around stays
 # inside the block it is in (the server's own, larger window trades bytes
@@ -40,30 +44,58 @@ def _mounted(mount_layers: Callable[..., Mounted], tmp_path: Path) -> tuple[Moun
     blob = make_layer([(info, data)])
     digest = add_layer(LayerStore(tmp_path / "store"), tmp_path, blob, SPAN)
     source = Blob(blob)
-    m = mount_layers({digest: source}, tmp_path / "store")
+    m = mount_layers({digest: source}, tmp_path / "store", blocks_after_miss=AFTER_MISS)
     set_kernel_readahead(m.mountpoint, READ_AROUND)
     events = Events()
     m.ops.events = events
     return m, digest, data, source, events
 
 
-def test_a_page_fault_in_a_big_file_fetches_only_the_block_it_is_in(
-    mount_layers: Callable[..., Mounted], tmp_path: Path
-) -> None:
-    """A mapped library's page faults are a start's sparsest reads: the
-    kernel reads around each fault by the mount's read-ahead, so that
-    window, not the page, decides how many blocks are fetched and recorded."""
-    m, digest, data, source, events = _mounted(mount_layers, tmp_path)
-    offset = 9 * SPAN + SPAN // 2  # the middle of the file's tenth block
+def _fault(m: Mounted, digest: str, offset: int) -> bytes:
     # In a process of its own: a page fault holds the GIL, which the server's thread here needs.
-    faulted = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", _FAULT, str(m.layer(digest) / "weights"), str(offset)],
         check=True,
         capture_output=True,
         timeout=60,
     ).stdout
-    assert faulted == data[offset : offset + 4096]
+
+
+def test_a_page_fault_fetches_its_block_and_the_next_ones_and_records_its_own(
+    mount_layers: Callable[..., Mounted], tmp_path: Path
+) -> None:
+    """A mapped library's page faults are a start's sparsest reads: the
+    kernel reads around each fault by the mount's read-ahead, so that
+    window decides which block the reader waits for and is recorded; with
+    no hot-block manifest for the layer the blocks right after it come too,
+    in a request of their own, and are not recorded, since nothing read them."""
+    m, digest, data, source, events = _mounted(mount_layers, tmp_path)
+    offset = 9 * SPAN + SPAN // 2  # the middle of the file's tenth block
+    assert _fault(m, digest, offset) == data[offset : offset + 4096]
     reader = m.ops.layers_by_name[digest.split(":")[1]].reader
+    entry = next(e for e in reader.index.entries if e.name == "weights")
+    block = reader.index.block_range(entry.offset + offset, entry.offset + offset + 1).start
+    after = range(block + 1, block + 1 + AFTER_MISS)
+    wait_until(lambda: reader.cached == {block, *after}, 30, "the blocks after the fault to land")
+    blocks = reader.index.blocks
+    assert sorted(source.fetched) == [
+        (blocks[block].cstart, blocks[block].cend),
+        (blocks[after.start].cstart, blocks[after.stop - 1].cend),
+    ]
+    assert events.accessed == {(digest, block)}
+
+
+def test_under_a_hot_block_manifest_a_page_fault_fetches_only_its_block(
+    mount_layers: Callable[..., Mounted], tmp_path: Path
+) -> None:
+    """Once a manifest says what a start reads, a miss fetches nothing
+    beyond it: the blocks after the fault are not in the manifest."""
+    m, digest, data, source, events = _mounted(mount_layers, tmp_path)
+    (m.layer(digest) / "weights").stat()  # loads the layer
+    reader = m.ops.layers_by_name[digest.split(":")[1]].reader
+    reader.follow_manifest({0})
+    offset = 9 * SPAN + SPAN // 2
+    assert _fault(m, digest, offset) == data[offset : offset + 4096]
     entry = next(e for e in reader.index.entries if e.name == "weights")
     block = reader.index.block_range(entry.offset + offset, entry.offset + offset + 1).start
     assert reader.cached == {block}

@@ -35,6 +35,7 @@ class LazyConfig:
     hot_blocks: bool = True
     # Off in tests, which measure what reads alone fetch.
     whole_layer_bytes: int = 0
+    blocks_after_miss: int = 0
     background_fetch: bool = False
     # Off in tests, which check what reads through the layer mount do; on in
     # those of the unpacked layers themselves.
@@ -99,6 +100,7 @@ record_idle_s = {self.record_idle_s}
 hot_blocks = {str(self.hot_blocks).lower()}
 record_max_s = {self.record_max_s}
 whole_layer_bytes = {self.whole_layer_bytes}
+blocks_after_miss = {self.blocks_after_miss}
 background_fetch = {str(self.background_fetch).lower()}
 unpack_whole_layers = {str(self.unpack_whole_layers).lower()}
 hot_blocks_publish = "{self.hot_blocks_publish}"
