@@ -145,7 +145,7 @@ class LayerReader:
             Origin.BACKGROUND: background_limiter,
         }
         self.readahead = InOrderReadAhead()
-        # `[fs] blocks_after_miss`: see _neighbours.
+        # `[fs] blocks_after_miss`: see _ahead_of_miss.
         self.blocks_after_miss = blocks_after_miss
         # The blocks hot-block manifests say a start of an image with this
         # layer reads (None: no manifest covers the layer). Read-ahead stays
@@ -203,7 +203,7 @@ class LayerReader:
     async def read(self, start: int, end: int, file_end: int | None = None) -> bytes:
         """A reader's read: counted, recorded, fetched ahead of any prefetch.
         In-order read-ahead stays within the file, which ends at `file_end`;
-        a miss also fetches the blocks right after it (`_neighbours`)."""
+        a miss also fetches the blocks right after it (`_ahead_of_miss`)."""
         end = min(end, self.index.uncompressed_size)
         if end <= start:
             return b""
@@ -255,16 +255,15 @@ class LayerReader:
                 wanting = True
                 self.readahead_marks.discard(n)
         window = self.readahead.observe(numbers.start, numbers.stop - 1)
-        count = len(self.index.blocks)
-        within_file = [n for n in window if n < count and self.index.blocks[n].ustart < limit] if wanting else []
-        ahead = [
-            n
-            for n in dict.fromkeys([*within_file, *self._neighbours(numbers, wanting)])
-            if n < count
-            and n not in self.cached
-            and n not in self.inflight
-            and (self.hot_blocks is None or n in self.hot_blocks)
-        ]
+        ahead = (
+            [
+                n
+                for n in self._ahead_of_miss(window, limit)
+                if n not in self.cached and n not in self.inflight and (self.hot_blocks is None or n in self.hot_blocks)
+            ]
+            if wanting
+            else []
+        )
         if ahead:
             trio.lowlevel.spawn_system_task(self._read_ahead, ahead)
         # Only a read that may wait on the registry needs a deadline: a hit
@@ -279,14 +278,21 @@ class LayerReader:
         metrics.READ_BYTES.inc(len(data))
         return data
 
-    def _neighbours(self, numbers: range, wanting: bool) -> range:
-        """The blocks after a miss, whatever file they hold, while no
-        hot-block manifest covers the layer: a tar keeps a package's files
-        together, and a start that reads one file of a block mostly reads
-        the next blocks' too. Under a manifest the manifest says what to read."""
-        if not wanting or self.hot_blocks is not None:
-            return range(0)
-        return range(numbers.stop, numbers.stop + self.blocks_after_miss)
+    def _ahead_of_miss(self, window: range, limit: int) -> range:
+        """The blocks after a miss to fetch with it: the in-order window
+        (which starts right after the read) up to the file's end at `limit`,
+        and, while no hot-block manifest covers the layer, at least the
+        `blocks_after_miss` after it, whatever files they hold: a tar keeps a
+        package's files together, and a start that reads one file of a block
+        mostly reads the next blocks' too. Under a manifest the manifest says
+        what to read."""
+        blocks = self.index.blocks
+        end = window.start
+        while end < min(window.stop, len(blocks)) and blocks[end].ustart < limit:
+            end += 1
+        if self.hot_blocks is None:
+            end = max(end, window.start + self.blocks_after_miss)
+        return range(window.start, min(end, len(blocks)))
 
     async def _gather(
         self, start: int, end: int, numbers: range, uncached: dict[int, bytes], deadline: float | None
