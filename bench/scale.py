@@ -45,7 +45,6 @@ import contextlib
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -63,6 +62,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench import cpu as cpu_accounting
 from bench import image, link, ocidir, report, scalemath, slicecache, startup
 from bench.node import Node, start_node
 from bench.report import log
@@ -96,8 +96,6 @@ LAYER_SERVER_METRICS = (
     PUSHED,
     NOT_PUSHED,
 )
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-CGROUP_CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 
 T = TypeVar("T")
 # A results document, as it goes to JSON.
@@ -143,49 +141,6 @@ class Env:
         # The namespace registry keeps its storage where the harness's does.
         store = Registry(daemon=self.registry.daemon, workdir=self.registry.workdir, port=link.REGISTRY_PORT)
         return uploaded_hot_manifests(store, self.digest)
-
-
-# --- CPU accounting ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CpuSnapshot:
-    machine: scalemath.CpuTimes
-    ticks: dict[str, int]  # by role, summed over that role's processes
-    containers_ns: int
-    clients_s: float
-
-
-def _pid_ticks(pid: int) -> int:
-    try:
-        return scalemath.parse_pid_stat_ticks(Path(f"/proc/{pid}/stat").read_text())
-    except (OSError, ValueError):
-        return 0  # gone: its time is lost, which the machine-wide figure still has
-
-
-def _cpu_snapshot(pids: dict[str, list[int]], namespace: str) -> CpuSnapshot:
-    usage = CGROUP_CPUACCT / namespace / "cpuacct.usage"
-    try:
-        containers = int(usage.read_text())
-    except (OSError, ValueError):
-        containers = 0  # no container has run in the namespace yet
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return CpuSnapshot(
-        scalemath.parse_proc_stat(Path("/proc/stat").read_text()),
-        {role: sum(_pid_ticks(p) for p in ps) for role, ps in pids.items()},
-        containers,
-        children.ru_utime + children.ru_stime,
-    )
-
-
-def _cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> tuple[dict[str, float], float, float]:
-    """CPU seconds by role, and the machine's busy and iowait cores, between two snapshots."""
-    cpu = {role: round((after.ticks[role] - before.ticks.get(role, 0)) / CLOCK_TICKS, 2) for role in after.ticks}
-    cpu["containers"] = round((after.containers_ns - before.containers_ns) / 1e9, 2)
-    # Every child this process reaped meanwhile: the `ctr`/`bootseer pull` clients.
-    cpu["clients"] = round(after.clients_s - before.clients_s, 2)
-    busy, iowait = scalemath.busy_cores(before.machine, after.machine, os.cpu_count() or 1)
-    return cpu, busy, iowait
 
 
 # --- nodes ------------------------------------------------------------------
@@ -320,7 +275,7 @@ def run_round(env: Env, mode: Mode, n: int, route: str, run: int, settle: bool =
         uploads = env.uploaded_manifests()
         before_metrics = _metrics(nodes)
         drop_page_cache()
-        cpu_before = _cpu_snapshot(pids, env.namespace)
+        cpu_before = cpu_accounting.snapshot(pids, env.namespace)
         rx_before = env.netns.rx_bytes()
         began = time.time()
 
@@ -334,7 +289,7 @@ def run_round(env: Env, mode: Mode, n: int, route: str, run: int, settle: bool =
             if not _settle(nodes, settled_before):
                 log("warning: not every node's recording settled")
         rx_after = env.netns.rx_bytes()
-        cpu, busy, iowait = _cpu_delta(cpu_before, _cpu_snapshot(pids, env.namespace))
+        cpu, busy, iowait = cpu_accounting.delta(cpu_before, cpu_accounting.snapshot(pids, env.namespace))
         metrics = {k: v - before_metrics[k] for k, v in _metrics(nodes).items()}
     finally:
         _stop_nodes(nodes)

@@ -56,7 +56,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from bench import hotbytes, image, link, report, stargz, timeline
+from bench import cpu, hotbytes, image, link, report, stargz, timeline
 from bench.node import Node, start_node
 from bench.report import log
 from bench.timeline import Run, ScriptOutput, Segment
@@ -131,6 +131,7 @@ class Nodes:
 
     warm: Node
     direct_ref: str  # through the veth, unshaped by the proxy: what the warm node pulled
+    registry_pid: int  # the image's registry, for CPU accounting
     lazy_warm: Node | None = None  # lazily pulled, every block cached, layers unpacked
     lazy_warm_fuse: Node | None = None  # lazily pulled, the blocks the start reads cached
     stargz_binary: Path | None = None
@@ -334,18 +335,36 @@ def _node_for(setup: Setup, mode: Mode) -> AnyNode:
     return setup.warm
 
 
+def _cpu_roles(setup: Setup, node: AnyNode) -> dict[str, list[int]]:
+    """The processes a start keeps busy, by role, besides its containers and
+    the clients (`bootseer pull`, `ctr`, `ctr-remote`) this process runs."""
+    daemons = (
+        node.daemon_pids()
+        if isinstance(node, Node)
+        else {"containerd": node.containerd.daemon.pid, "stargz": node.daemon.pid}
+    )
+    return {
+        **{role: [pid] for role, pid in daemons.items()},
+        "registry": [setup.nodes.registry_pid],
+        "link_proxy": [setup.proxy.daemon.pid],
+    }
+
+
 def timed_run(setup: Setup, mode: Mode, number: int) -> Run:
     node = _node_for(setup, mode)
     ref = setup.ref_for(mode.tag) if mode.cold else setup.nodes.direct_ref
+    roles = _cpu_roles(setup, node)
     try:
         # Counter deltas: the long-lived lazy-warm node has counted earlier runs.
         before = _layer_server_metrics(node)
         drop_page_cache()
+        cpu_before = cpu.snapshot(roles, node.containerd.namespace)
         with RxSampler(setup.netns) as sampler:
             ctx = RunContext(setup, node, sampler, time.time(), ref)
             pull = mode.pull(ctx)
             pull_end = time.time()
             ready_at, script = run_container(node.containerd, mode.snapshotter, ref, f"{mode.name}-{number}")
+        cpu_s, busy, _ = cpu.delta(cpu_before, cpu.snapshot(roles, node.containerd.namespace))
         metrics = {k: v - before.get(k, 0.0) for k, v in _layer_server_metrics(node).items()}
     finally:
         if mode.cold:
@@ -359,6 +378,8 @@ def timed_run(setup: Setup, mode: Mode, number: int) -> Run:
         segments=timeline.timeline(ctx.t0, pull, pull_end, ready_at, script),
         read_bytes=script.read_bytes,
         layer_server=metrics,
+        cpu_s=cpu_s,
+        busy_cores=busy,
     )
 
 
@@ -444,7 +465,8 @@ def run_link(
                 by_mode[mode.name].append(run)
                 log(
                     f"{spec.name} round {i + 1}/{runs} {mode.name:16} ready in {run.ready_s:6.2f} s, "
-                    f"{run.bytes_fetched / 1e6:8.1f} MB over the link"
+                    f"{run.bytes_fetched / 1e6:8.1f} MB over the link, {run.busy_cores:.2f} cores busy, "
+                    f"CPU s {' '.join(f'{role} {s:.2f}' for role, s in run.cpu_s.items())}"
                 )
     finally:
         proxy.stop()
@@ -694,7 +716,7 @@ def main() -> None:
             lazy_warm = _start_lazy_warm(registry.host, direct_ref, built.layout.layer_digests, whole=True)
         if any(m.node == LAZY_WARM_FUSE for m in modes):
             lazy_warm_fuse = _start_lazy_warm(registry.host, direct_ref, built.layout.layer_digests, whole=False)
-        nodes = Nodes(warm, direct_ref, lazy_warm, lazy_warm_fuse, stargz_binary)
+        nodes = Nodes(warm, direct_ref, registry.daemon.pid, lazy_warm, lazy_warm_fuse, stargz_binary)
         per_link: dict[str, dict[str, object]] = {}
         representative: dict[str, dict[str, Run]] = {}
         for spec in specs:

@@ -58,6 +58,10 @@ class Run:
     read_bytes: int | None = None
     # Counter deltas from the layer server for this run (lazy modes).
     layer_server: dict[str, float] = field(default_factory=dict)
+    # CPU seconds by role over the run (bench/cpu.py), and the cores the
+    # whole machine kept busy on average.
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    busy_cores: float | None = None
 
 
 def timeline(
@@ -124,6 +128,12 @@ def summarise(runs: list[Run]) -> dict[str, object]:
     keys = sorted({k for r in runs for k in r.layer_server})
     if keys:
         out["layer_server"] = {k: round(_median([r.layer_server.get(k, 0.0) for r in runs]), 3) for k in keys}
+    roles = sorted({k for r in runs for k in r.cpu_s})
+    if roles:
+        out["cpu_s"] = {k: round(_median([r.cpu_s.get(k, 0.0) for r in runs]), 2) for k in roles}
+    busy = [r.busy_cores for r in runs if r.busy_cores is not None]
+    if busy:
+        out["busy_cores"] = round(_median(busy), 2)
     return out
 
 

@@ -63,6 +63,20 @@ def test_summarise_takes_medians_and_sums_repeated_labels() -> None:
     assert s["breakdown_s"] == {"a": 2.0, "b": 2.0}
     assert s["layer_server"] == {"x": 2.0}
     assert s["start_read_bytes"] == 2
+    # Runs measured without CPU accounting add nothing about it.
+    assert "cpu_s" not in s and "busy_cores" not in s
+
+
+def test_summarise_takes_the_median_cpu_of_each_role_and_of_the_busy_cores() -> None:
+    runs = [
+        Run("prefetch", r, 0, [], cpu_s={"layer_server": r, "registry": 2 * r}, busy_cores=r / 2)
+        for r in (4.0, 3.0, 5.0)
+    ]
+    # A role one run lacks (a daemon that exited before its count) counts as 0 there.
+    runs.append(Run("prefetch", 6.0, 0, [], cpu_s={"layer_server": 6.0}, busy_cores=1.9))
+    s = timeline.summarise(runs)
+    assert s["cpu_s"] == {"layer_server": 4.5, "registry": 7.0}
+    assert s["busy_cores"] == 1.95
 
 
 def test_limit_and_ratios() -> None:
