@@ -416,6 +416,12 @@ class RemoteLayers:
         index, encoded, blob = self._fetch_index(ref, manifest_digest, layer_digest)
         source = LayerSource(ref=ref.name, digest=layer_digest, signature=Signature.from_annotations(blob.annotations))
         self.store.add(index, source, encoded)
+        try:
+            # The layer server decodes the index while the layers below are
+            # prepared: its load, in this layer's turn, only builds the tree.
+            control.open_ahead(self.mountpoint, name)
+        except OSError as exc:
+            log.debug("layer server could not open a layer ahead", layer=layer_digest, error=str(exc))
         if turn is not None:
             # Bounded: the layer below's fetch always sets it, this is only
             # a guard against waiting on a registry that hangs there.

@@ -7,6 +7,9 @@ work with whichever layer server holds the mount:
 - a lookup of a layer's name in the mount root makes the server load that
   layer (decode its index, build its tree), and its answer proves the server
   serves it;
+- a lookup of `.open-<layer name>` makes the server decode the layer's stored
+  index in the background (answered at once), so that the layer's load, when
+  its Prepare comes, only builds its tree;
 - a lookup of `.image-<manifest hex>` makes the server (re)read the image's
   request file, written first into the layer store:
 
@@ -31,6 +34,7 @@ from pathlib import Path
 from snapshotter.fs.layers import LayerStore
 
 CONTROL_PREFIX = ".image-"
+OPEN_PREFIX = ".open-"
 
 
 @dataclass
@@ -82,3 +86,9 @@ def lookup(mountpoint: Path, name: str) -> bool:
 def notify(mountpoint: Path, name: str) -> None:
     """Make the layer server read image `name`'s request now."""
     lookup(mountpoint, CONTROL_PREFIX + name)
+
+
+def open_ahead(mountpoint: Path, name: str) -> None:
+    """Have the layer server decode layer `name`'s stored index now, ahead
+    of its load."""
+    lookup(mountpoint, OPEN_PREFIX + name)

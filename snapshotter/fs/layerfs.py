@@ -16,6 +16,12 @@ the copy again into the same slot, and since the tree of an index is always
 built the same, every inode number means what it meant. So unloading is
 always correct; the signal only decides how often a reload is paid.
 
+A layer's index may be decoded before its load (a lookup of `.open-<layer>`,
+fs/control.py, which the snapshotter sends as soon as it has stored the
+index): the load, in the layer's Prepare, then only builds the tree and
+takes that reader over. A reader so opened whose layer is not loaded within
+OPENED_ALONE_S, or that the store no longer holds, is closed at a sweep.
+
 Pruned layers (removed from the store by the snapshotter's cleanup) are
 closed at the next sweep, every SWEEP_S: their cache files' space goes back
 to the filesystem, which `df` and statfs show.
@@ -62,9 +68,9 @@ from snapshotter.fs import fusewire as fuse
 from snapshotter.fs import metrics
 from snapshotter.fs.background import BackgroundFetch
 from snapshotter.fs.blockindex import BlockIndex
-from snapshotter.fs.control import CONTROL_PREFIX, ImageRequest, read_request
+from snapshotter.fs.control import CONTROL_PREFIX, OPEN_PREFIX, ImageRequest, read_request
 from snapshotter.fs.eviction import BlockCache
-from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
+from snapshotter.fs.layers import LayerSource, LayerStore, copy_key, layer_name
 from snapshotter.fs.reader import BlockUnavailable, LayerReader, Origin, RangeFetcher
 from snapshotter.fs.slots import SlotTable
 from snapshotter.fs.unpacker import Unpacker
@@ -92,8 +98,13 @@ SWEEP_S = 2.0
 IN_USE_S = 300.0
 # How often the block index learns when blocks were last read.
 LAST_READS_S = 60.0
+# A reader opened ahead of its layer's load (fs/control.py, OPEN_PREFIX) is
+# closed once idle this long with the layer still not loaded: the Prepares
+# of one pull come within seconds, so its layer was not served after all.
+OPENED_ALONE_S = 120.0
 
 _LAYER_ROOT = re.compile(r"/([0-9a-f]{64})(?:/|$)")
+_LAYER_NAME = re.compile(r"[0-9a-f]{64}")
 
 
 def mounted_layers(mountpoint: Path) -> set[str]:
@@ -162,6 +173,17 @@ class _Layer:
         replaced), and not broken: nothing more is fetched for a copy no
         reader can use."""
         return self.loaded and not self.broken and self.store.generation(self.name) == self.generation
+
+
+@dataclass
+class _Opened:
+    """A layer copy's reader, opened from the stored index ahead of the
+    layer's load (which then builds only its tree and takes this reader)."""
+
+    name: str
+    generation: str
+    reader: LayerReader
+    opened_at: float = field(default_factory=time.monotonic)
 
 
 def _guarded(
@@ -310,6 +332,12 @@ class LayerFS(fuse.Operations):
         self.whole_layer_bytes = whole_layer_bytes
         self.blocks_after_miss = blocks_after_miss
         self.load_lock = trio.Lock()
+        # Readers opened ahead of their layer's load, by copy (_Opened), and
+        # the copies whose reader is being opened: a load waits for one under
+        # way, so an index is decoded once, and a big layer's decoding holds
+        # up no other layer's load.
+        self.opened: dict[str, _Opened] = {}
+        self._opening: dict[str, trio.Event] = {}
         self.cache = BlockCache(store, block_index, cache_max_bytes, self.load_lock, self._copy_in_use)
         self.cache.load()
         if self.background is not None:
@@ -377,18 +405,15 @@ class LayerFS(fuse.Operations):
         # cannot be loaded is remembered, not tried on every lookup.
         if self.unloadable.get(name) == generation:
             raise fuse.FUSEError(errno.EIO)
+        opened = None
         try:
-            layer = await trio.to_thread.run_sync(self._load, name)
+            opened = await self._open(name, generation)
+            layer = await trio.to_thread.run_sync(self._load, opened)
             self._register(layer)
         except Exception as exc:
-            self.unloadable[name] = generation
-            metrics.LAYER_LOAD_ERRORS.inc()
-            log.error(
-                "layer cannot be loaded; it answers EIO until the store holds another copy",
-                layer=name,
-                error=repr(exc),
-                exc_info=exc,
-            )
+            if opened is not None:
+                self._close_opened(opened)
+            self._refuse(name, generation, exc)
             raise fuse.FUSEError(errno.EIO) from None
         layer.reader.on_whole = functools.partial(self._whole, layer)
         if layer.reader.all_cached:
@@ -398,6 +423,20 @@ class LayerFS(fuse.Operations):
         elif self.background is not None:
             self.background.add(layer)
         return layer
+
+    def _refuse(self, name: str, generation: str, exc: Exception) -> None:
+        """Copy `generation` of `name` cannot be loaded: remembered, so that
+        a hostile index is not decoded again on every lookup or open ahead."""
+        if self.unloadable.get(name) == generation:
+            return
+        self.unloadable[name] = generation
+        metrics.LAYER_LOAD_ERRORS.inc()
+        log.error(
+            "layer cannot be loaded; it answers EIO until the store holds another copy",
+            layer=name,
+            error=repr(exc),
+            exc_info=exc,
+        )
 
     def _whole(self, layer: _Layer) -> None:
         """Every block of `layer` is cached (at load, or as its last block lands)."""
@@ -424,36 +463,43 @@ class LayerFS(fuse.Operations):
         this process or an earlier one. Only under the load lock."""
         return self.slots.assign(name, generation)
 
-    def _register(self, layer: _Layer) -> None:
-        self.layers_by_name[layer.name] = layer
-        self.layers_by_slot[layer.slot] = layer
-        self.layers_by_copy[layer.reader.cache_key] = layer
-        self.unloaded.pop(layer.slot, None)
-        self.cache.attach(layer.reader.cache_key, layer.reader)
-        metrics.LOADED_LAYERS.set(len(self.layers_by_slot))
+    async def _open(self, name: str, generation: str) -> _Opened:
+        """The reader of copy `generation` of layer `name`: the one opened
+        already, else opened now from the stored index (decoded in a
+        thread). Raises if the index cannot be read or the store holds
+        another copy by now."""
+        key = copy_key(name, generation)
+        while True:
+            opened = self.opened.get(key)
+            if opened is not None and not opened.reader.closed:
+                return opened
+            loaded = self.layers_by_copy.get(key)
+            if loaded is not None and loaded.loaded:
+                # Loaded while this waited: its reader it is.
+                return _Opened(name, generation, loaded.reader)
+            if self.unloadable.get(name) == generation:
+                raise ValueError(f"layer {name} cannot be loaded (see the first error logged for it)")
+            pending = self._opening.get(key)
+            if pending is None:
+                break
+            await pending.wait()
+        self._opening[key] = done = trio.Event()
+        try:
+            reader = await trio.to_thread.run_sync(self._reader, name, generation)
+            opened = self.opened[key] = _Opened(name, generation, reader)
+            self.cache.attach(key, reader)
+            return opened
+        finally:
+            del self._opening[key]
+            done.set()
 
-    def _copy_in_use(self, copy: str) -> bool:
-        layer = self.layers_by_copy.get(copy)
-        return layer is not None and layer.in_use
-
-    def _load(self, name: str) -> _Layer:
-        """In a thread, under the load lock: the store's copy of `name` as
-        a _Layer, not registered yet."""
+    def _reader(self, name: str, generation: str) -> LayerReader:
+        """In a thread: a reader of the store's copy of `name`, which must be
+        copy `generation` (it opens the cache file and reads the block index)."""
         index, source = self.store.load(name)
-        tree = build_tree(index.entries)
-        slot = self._slot(name, source.generation)
-        root_attr = entry_attributes(slot, tree.nodes[ROOT])
-        # Layers come and go from the store: the kernel looks them up afresh each time.
-        root_attr.entry_timeout = 0
-        parents = {
-            child: ino
-            for ino, node in tree.nodes.items()
-            if node.children
-            for child in node.children.values()
-            if tree.nodes[child].is_dir
-        }
-        # Last: the reader holds the cache file open.
-        reader = LayerReader(
+        if source.generation != generation:
+            raise ValueError(f"the store holds another copy of layer {name} now")
+        return LayerReader(
             name,
             source.cache_key,
             index,
@@ -468,7 +514,61 @@ class LayerFS(fuse.Operations):
             self.cache,
             self.blocks_after_miss,
         )
-        layer = _Layer(slot, name, source.generation, tree, reader, self.store, root_attr, parents)
+
+    async def _open_ahead(self, name: str) -> None:
+        """Open the store's copy of `name` ahead of its load (OPEN_PREFIX):
+        its load, when its Prepare's turn comes, then only builds its tree.
+        A copy that cannot be opened is refused here as its load would."""
+        generation = await trio.to_thread.run_sync(self.store.generation, name)
+        if generation is None or self.unloadable.get(name) == generation:
+            return
+        layer = self.layers_by_name.get(name)
+        if layer is not None and layer.generation == generation:
+            return
+        try:
+            await self._open(name, generation)
+        except Exception as exc:
+            self._refuse(name, generation, exc)
+
+    def _close_opened(self, opened: _Opened) -> None:
+        key = copy_key(opened.name, opened.generation)
+        if self.opened.get(key) is opened:
+            del self.opened[key]
+        if self.layers_by_copy.get(key) is None:
+            self.cache.detach(key)
+            opened.reader.close()
+
+    def _register(self, layer: _Layer) -> None:
+        self.opened.pop(layer.reader.cache_key, None)
+        self.layers_by_name[layer.name] = layer
+        self.layers_by_slot[layer.slot] = layer
+        self.layers_by_copy[layer.reader.cache_key] = layer
+        self.unloaded.pop(layer.slot, None)
+        self.cache.attach(layer.reader.cache_key, layer.reader)
+        metrics.LOADED_LAYERS.set(len(self.layers_by_slot))
+
+    def _copy_in_use(self, copy: str) -> bool:
+        layer = self.layers_by_copy.get(copy)
+        return layer is not None and layer.in_use
+
+    def _load(self, opened: _Opened) -> _Layer:
+        """In a thread, under the load lock: the opened copy as a _Layer,
+        not registered yet."""
+        name, index = opened.name, opened.reader.index
+        tree = build_tree(index.entries)
+        slot = self._slot(name, opened.generation)
+        root_attr = entry_attributes(slot, tree.nodes[ROOT])
+        # Layers come and go from the store: the kernel looks them up afresh each time.
+        root_attr.entry_timeout = 0
+        parents = {
+            child: ino
+            for ino, node in tree.nodes.items()
+            if node.children
+            for child in node.children.values()
+            if tree.nodes[child].is_dir
+        }
+        reader = opened.reader
+        layer = _Layer(slot, name, opened.generation, tree, reader, self.store, root_attr, parents)
         log.info("layer loaded", layer=name, slot=slot, blocks=len(index.blocks), cached=len(reader.cached))
         return layer
 
@@ -532,6 +632,13 @@ class LayerFS(fuse.Operations):
             if generations.get(name) != generation:
                 del self.unloaded[slot]
                 self.slots.drop(name, generation)
+        for opened in list(self.opened.values()):
+            if opened.opened_at >= began:
+                continue
+            pruned = generations.get(opened.name) != opened.generation
+            if opened.reader.idle and (pruned or now - opened.opened_at >= OPENED_ALONE_S):
+                self._close_opened(opened)
+                unloads += 1
         for copy in list(self.cache.copies):
             if copy not in self.cache.readers and generations.get(copy[:64]) != copy[64:]:
                 self.cache.forget_copy(copy)
@@ -662,6 +769,13 @@ class LayerFS(fuse.Operations):
                     self.image_bytes.announce(request.image, request.layers)
                 if self.events is not None:
                     await self.events.notify(image, request)
+                raise fuse.FUSEError(errno.ENOENT)
+            if text.startswith(OPEN_PREFIX):
+                # The snapshotter stored a layer's index: decode it now, while
+                # containerd prepares the layers below; answered at once.
+                target = text[len(OPEN_PREFIX) :]
+                if _LAYER_NAME.fullmatch(target):
+                    trio.lowlevel.spawn_system_task(self._open_ahead, target)
                 raise fuse.FUSEError(errno.ENOENT)
             layer = await self._layer(text)
             if layer is None:
@@ -817,4 +931,6 @@ class LayerFS(fuse.Operations):
     def close(self) -> None:
         for layer in self.layers_by_slot.values():
             layer.reader.close()
+        for opened in self.opened.values():
+            opened.reader.close()
         self.cache.write_last_reads(self.cache.touched(), int(time.time()))
