@@ -20,7 +20,7 @@ from snapshotter.cri.settings import CriConfig
 from snapshotter.fs.settings import FsConfig
 from snapshotter.registry.settings import RegistryConfig
 from snapshotter.settings import SnapshotterConfig
-from snapshotter.trust import TrustConfig
+from snapshotter.trust_settings import TrustConfig
 
 DEFAULT_PATH = Path("/etc/bootseer/config.toml")
 

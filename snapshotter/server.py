@@ -30,7 +30,8 @@ from snapshotter.remote import RemoteLayers
 from snapshotter.service import SnapshotsService
 from snapshotter.settings import SnapshotterConfig
 from snapshotter.snapshots import Snapshotter
-from snapshotter.trust import IndexTrust, TrustConfig
+from snapshotter.trust import IndexTrust
+from snapshotter.trust_settings import TrustConfig
 
 if TYPE_CHECKING:
     from snapshotter.cri.proxy import CriProxy

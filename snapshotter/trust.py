@@ -1,5 +1,6 @@
-"""The `[trust]` section: which layer indexes a node serves from, and the key
-`bootseer index` signs with (docs/layer-index.md, Signatures).
+"""Which layer indexes a node serves from, and the key `bootseer index`
+signs with, as the `[trust]` section (trust_settings.py) says
+(docs/layer-index.md, Signatures).
 
 A layer is served lazily only from an index a trusted key signed, unless
 `require_signature` is turned off: then any index attached to the image is
@@ -9,25 +10,14 @@ a stranger.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from snapshotter.layer.signature import KeyFormatError, Signature, Verifier, load_private_key, load_public_key
 from snapshotter.registry.media import Descriptor
-
-
-@dataclass
-class TrustConfig:
-    # Public keys (Ed25519, PEM files, as `bootseer trust keygen` writes them)
-    # whose signatures on layer indexes this node accepts.
-    keys: list[str] = field(default_factory=list)
-    # Serve a layer lazily only from an index one of `keys` signed; off, any
-    # index attached to the image is believed.
-    require_signature: bool = True
-    # The private key `bootseer index` signs the indexes it pushes with; empty: unsigned.
-    signing_key: str = ""
+from snapshotter.trust_settings import TrustConfig
 
 
 class TrustError(Exception):

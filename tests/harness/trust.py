@@ -14,7 +14,8 @@ from pathlib import Path
 from snapshotter.layer.index import LAYER_ANNOTATION
 from snapshotter.layer.signature import generate, load_private_key, sign
 from snapshotter.registry.media import Descriptor
-from snapshotter.trust import IndexTrust, TrustConfig
+from snapshotter.trust import IndexTrust
+from snapshotter.trust_settings import TrustConfig
 
 
 @dataclass(frozen=True)

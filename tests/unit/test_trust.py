@@ -38,7 +38,8 @@ from snapshotter.registry.media import Descriptor, Manifest
 from snapshotter.registry.reference import Reference
 from snapshotter.registry.reference import parse as parse_reference
 from snapshotter.remote import NotLazy, Reason, RemoteLayers
-from snapshotter.trust import IndexTrust, TrustConfig, TrustError
+from snapshotter.trust import IndexTrust, TrustError
+from snapshotter.trust_settings import TrustConfig
 from tests.harness.trust import index_trust, signed, signing_keys
 from tests.unit.test_index_validation import PARITY_GZIP, FakeRegistry, digest_of, index_of, layer, member
 
