@@ -518,12 +518,10 @@ class LayerFS(fuse.Operations):
     async def _open_ahead(self, name: str) -> None:
         """Open the store's copy of `name` ahead of its load (OPEN_PREFIX):
         its load, when its Prepare's turn comes, then only builds its tree.
-        A copy that cannot be opened is refused here as its load would."""
+        A copy that cannot be opened is refused here as its load would (one
+        already refused, or already loaded, _open leaves alone)."""
         generation = await trio.to_thread.run_sync(self.store.generation, name)
-        if generation is None or self.unloadable.get(name) == generation:
-            return
-        layer = self.layers_by_name.get(name)
-        if layer is not None and layer.generation == generation:
+        if generation is None:
             return
         try:
             await self._open(name, generation)
