@@ -473,19 +473,24 @@ class RemoteLayers:
             raise NotLazy(Reason.INDEX_REFUSED, f"image manifest {manifest_digest} lists no layer {layer_digest}")
         return size
 
-    def _announce(self, ref: Reference, manifest_digest: str, layer_digest: str) -> None:
+    def _announce(self, ref: Reference, manifest_digest: str, layer_digest: str | None = None) -> None:
         """Tell the layer server this image now has this layer, so it can
-        prefetch the image's hot blocks or record them."""
+        prefetch the image's hot blocks or record them; without a layer,
+        that the image is coming (said once: nothing new to read after)."""
         name = manifest_digest.split(":", 1)[1]
         try:
             with self._lock:
-                request = control.read_request(self.store, name) or control.ImageRequest(
-                    ref=str(ref), image=manifest_digest
-                )
-                if layer_digest not in request.layers:
+                request = control.read_request(self.store, name)
+                changed = request is None
+                if request is None:
+                    request = control.ImageRequest(ref=str(ref), image=manifest_digest)
+                if layer_digest is not None and layer_digest not in request.layers:
                     request.layers.append(layer_digest)
+                    changed = True
+                if changed:
                     control.write_request(self.store, request)
-            control.notify(self.mountpoint, name)
+            if changed or layer_digest is not None:
+                control.notify(self.mountpoint, name)
         except OSError as exc:
             log.warning("could not announce the image to the layer server", image=manifest_digest, error=str(exc))
 
@@ -576,6 +581,10 @@ class RemoteLayers:
                 Reason.NO_INDEX, f"image {ref} ({manifest_digest}) has no bootseer index; run `bootseer index {ref}`"
             )
         if indexes.trusted:
+            # Before any index is fetched (the Prepares that find the
+            # listing kept fetch theirs at once): the layer server looks for
+            # the image's hot-block manifest meanwhile, not once a layer is in.
+            self._announce(ref, manifest_digest)
             # Not before: a signed index attached later is found at the next Prepare.
             with self._lock:
                 self._artifacts[manifest_digest] = indexes

@@ -261,6 +261,29 @@ def test_prefetch_follows_first_access_across_layers_in_merged_runs(make_node: C
     assert not recording(node)
 
 
+def test_an_image_announced_before_its_layers_is_decided_on_at_once(make_node: Callable[..., Node]) -> None:
+    """The snapshotter announces an image as soon as it has listed its
+    indexes, before any layer is in: its manifest is decided on then, and
+    each layer's blocks are prefetched as soon as that layer is announced."""
+    node = make_node(prefetch_parallel=1)
+    node.local.put(HotManifest(IMAGE, 1, [node.block(0, 1, 0), node.block(1, 2, 1)]))
+
+    async def body(node: Node) -> None:
+        await announce(node, layers=[])
+        await wait_for("the manifest to be decided on", lambda: node.hot.images[IMAGE].decided)
+        assert node.hot.images[IMAGE].manifest is not None
+        assert node.fetches == []
+        await announce(node, layers=node.digests[:1])
+        await wait_for("the first layer's hot block", lambda: node.reader(0).cached == {1})
+        assert node.reader(1).cached == set()
+        await announce(node)
+        await wait_for("the prefetch to finish", lambda: prefetch_finished(node))
+
+    run(node, body)
+    assert node.fetches == [node.run_range(0, 1, 1), node.run_range(1, 2, 2)]
+    assert not recording(node)
+
+
 @pytest.mark.parametrize("spoilt", ["another image", "stale"])
 def test_unusable_manifest_is_ignored_and_the_run_recorded(make_node: Callable[..., Node], spoilt: str) -> None:
     """A local manifest that names another image, or one with a block whose

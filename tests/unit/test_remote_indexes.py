@@ -16,6 +16,7 @@ from typing import cast
 import pytest
 
 from snapshotter import remote as remote_mod
+from snapshotter.fs.control import CONTROL_PREFIX, ImageRequest, read_request
 from snapshotter.fs.layers import LayerStore
 from snapshotter.layer.index import LAYER_ANNOTATION, MEDIA_TYPE, LayerIndex, chain_ids
 from snapshotter.registry import artifact as registry_artifact
@@ -166,6 +167,42 @@ def test_the_first_prepare_sets_every_layers_index_on_its_way_at_once(
     for i in range(1, LAYERS):
         assert remote.prepare(image.prepare(i)).path == node / image.layer_digests[i].split(":")[1]
     assert len(image.fetched) == LAYERS
+
+
+def test_the_image_is_announced_before_its_first_index_is_fetched(
+    tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As soon as the listing finds signed indexes: the layer server then
+    looks for the image's hot-block manifest while the indexes are fetched
+    and the layers loaded, and each layer is added as it is stored."""
+    image = _image(tmp_path)
+    remote = _remote(tmp_path, node, image, monkeypatch)
+    name = image.manifest_digest.split(":", 1)[1]
+    poked: list[str] = []
+
+    def lookup(mount: Path, what: str) -> bool:
+        poked.append(what)
+        return True
+
+    monkeypatch.setattr(remote_mod.control, "lookup", lookup)
+    at_first_fetch: list[tuple[ImageRequest | None, list[str]]] = []
+    first = threading.Lock()
+
+    def look(digest: str) -> None:
+        # Every fetch answers after its own look: the first look comes
+        # before any index is stored.
+        with first:
+            if not at_first_fetch:
+                at_first_fetch.append((read_request(remote.store, name), list(poked)))
+
+    image.before_fetch.append(look)
+    for i in range(LAYERS):
+        remote.prepare(image.prepare(i))
+    request, poked_by_then = at_first_fetch[0]
+    assert request == ImageRequest(ref=str(REF), image=image.manifest_digest, layers=[])
+    assert poked_by_then == [CONTROL_PREFIX + name]
+    final = read_request(remote.store, name)
+    assert final is not None and sorted(final.layers) == sorted(image.layer_digests)
 
 
 def test_each_index_is_listed_fetched_and_decoded_once_for_a_pull(
