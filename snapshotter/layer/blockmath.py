@@ -9,8 +9,11 @@ from snapshotter.layer.index import Block
 
 # One Range request covers at most this many compressed bytes, so that a
 # large miss still streams in parallel requests and one slow request does not
-# hold every block back.
-MAX_RUN_BYTES = 16 << 20
+# hold every block back: a run's blocks land only once its whole response is
+# in. Side by side on the benchmark image, 4 MiB against 16 MiB let a start
+# read its 100 MB weight shard sooner (prefetched, at 1 Gbit/s: 0.38 s
+# against 0.62 s, medians of 4) and cost nothing at 200 Mbit/s.
+MAX_RUN_BYTES = 4 << 20
 
 
 def fetch_runs(numbers: Iterable[int], blocks: list[Block], max_bytes: int = MAX_RUN_BYTES) -> list[list[int]]:
