@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import eventlog
 from bootseer import config as config_mod
-from bootseer import log
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -42,14 +40,27 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_config(args: argparse.Namespace) -> config_mod.Config:
-    """The config file with the common flags applied, and logging set up from it."""
+def read_config(args: argparse.Namespace) -> config_mod.Config:
+    """The config file with the common flags applied. Standard library only:
+    `bootseer pull` reads it on its way to the snapshotter daemon."""
     cfg = config_mod.load(args.config)
     if args.log_level:
         cfg.log.level = args.log_level
     if args.log_format:
         cfg.log.format = args.log_format
+    return cfg
+
+
+def configure_logging(cfg: config_mod.Config) -> None:
+    from bootseer import log
+
     log.configure(cfg.log.level, cfg.log.format)
+
+
+def load_config(args: argparse.Namespace) -> config_mod.Config:
+    """The config file with the common flags applied, and logging set up from it."""
+    cfg = read_config(args)
+    configure_logging(cfg)
     return cfg
 
 
@@ -65,5 +76,7 @@ def override(section: object, args: argparse.Namespace, **fields: str) -> None:
 def configure_events(cfg: config_mod.Config, name: str) -> None:
     """The event log of this process, from the config's [events] section:
     what each composition root calls before it serves."""
+    import eventlog
+
     events = cfg.events
     eventlog.configure(events.dir, name, events.max_bytes, events.summary_interval_s)

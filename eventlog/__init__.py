@@ -18,7 +18,9 @@ read-only filesystem, anything) is dropped and counted
 (`bootseer_events_dropped_total`): the record is never worth failing the
 daemon's real work for.
 
-Standard library and prometheus_client only, so that every part can use it.
+Standard library, with prometheus_client and structlog loaded only once
+records are on: `bootseer pull` reads the `[events]` section on its way to
+the snapshotter daemon and should load neither.
 """
 
 from __future__ import annotations
@@ -32,20 +34,12 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import structlog
-from prometheus_client import Counter
-
-log = structlog.get_logger("bootseer.events")
-
-WRITTEN = Counter("bootseer_events_written", "Event records written to the daemon's event log.")
-DROPPED = Counter(
-    "bootseer_events_dropped",
-    "Event records dropped: the log could not be written (nospace, error) or the record was too large.",
-    ["reason"],
-)
+if TYPE_CHECKING:
+    from prometheus_client import Counter
 
 SUFFIX = ".jsonl"
 PREVIOUS = ".1"
@@ -53,6 +47,27 @@ PREVIOUS = ".1"
 MAX_RECORD_BYTES = 64 << 10
 # A failure is logged at most this often; the rest are only counted.
 _LOG_EVERY_S = 60.0
+
+
+@dataclass(frozen=True)
+class _Metrics:
+    written: Counter
+    dropped: Counter
+
+
+@cache
+def _metrics() -> _Metrics:
+    """Registered once, when records are first turned on."""
+    from prometheus_client import Counter
+
+    return _Metrics(
+        Counter("bootseer_events_written", "Event records written to the daemon's event log."),
+        Counter(
+            "bootseer_events_dropped",
+            "Event records dropped: the log could not be written (nospace, error) or the record was too large.",
+            ["reason"],
+        ),
+    )
 
 
 @dataclass
@@ -86,6 +101,7 @@ def configure(directory: Path | None, name: str, max_bytes: int = 8 << 20, summa
         if directory is None or max_bytes <= 0:
             _state.current = None
             return
+        _metrics()
         _state.current = _Log(directory / f"{name}{SUFFIX}", name, max_bytes, summary_interval_s)
 
 
@@ -127,15 +143,18 @@ def emit(kind: str, **fields: Any) -> None:
             _close(current)
             _dropped("nospace" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "error", str(exc))
             return
-    WRITTEN.inc()
+    _metrics().written.inc()
 
 
 def _dropped(reason: str, why: str) -> None:
-    DROPPED.labels(reason).inc()
+    _metrics().dropped.labels(reason).inc()
     if time.monotonic() - _state.last_failure_log >= _LOG_EVERY_S:
         _state.last_failure_log = time.monotonic()
         # Not even a failing log stream may turn a dropped record into the daemon's error.
         with contextlib.suppress(Exception):
+            import structlog
+
+            log = structlog.get_logger("bootseer.events")
             log.warning("event record dropped; bootseer report will miss it", reason=reason, error=why)
 
 

@@ -26,8 +26,6 @@ from proto.containerd.services.snapshots.v1 import snapshots_pb2, snapshots_pb2_
 from proto.containerd.types import descriptor_pb2, mount_pb2
 from snapshotter.labels import GC_EXPIRE
 
-DEFAULT_ADDRESS = Path("/run/containerd/containerd.sock")
-DEFAULT_NAMESPACE = "default"
 # A lease that outlives a crashed client is collected after this.
 LEASE_EXPIRY = timedelta(hours=1)
 # Another writer holding the same ingest ref: wait this long for it.
@@ -51,7 +49,7 @@ class Blob:
 
 
 class ContainerdClient:
-    def __init__(self, address: Path = DEFAULT_ADDRESS, namespace: str = DEFAULT_NAMESPACE) -> None:
+    def __init__(self, address: Path, namespace: str) -> None:
         self.address = address
         self.namespace = namespace
         self.channel = grpc.insecure_channel(

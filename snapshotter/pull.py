@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import secrets
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import grpc
 import structlog
@@ -34,13 +33,14 @@ from snapshotter.labels import (
     remote_snapshot_labels,
 )
 from snapshotter.layer.index import chain_ids
+from snapshotter.pullwire import DEFAULT_SNAPSHOTTER
 from snapshotter.registry.client import RegistryClient, ResolvedImage
+from snapshotter.registry.errors import RegistryError
 from snapshotter.registry.media import Descriptor
+from snapshotter.registry.reference import InvalidReference
 from snapshotter.registry.reference import parse as parse_reference
 
 log = structlog.get_logger("bootseer.pull")
-
-DEFAULT_SNAPSHOTTER = "bootseer"
 
 
 class PullError(Exception):
@@ -80,6 +80,17 @@ def diff_ids_of(config: bytes, layer_count: int) -> list[str]:
     return diff_ids
 
 
+def failure_message(exc: BaseException, containerd_address: object) -> str | None:
+    """What to tell the user of a pull that raised `exc`: the registry's,
+    the image's or containerd's word; None for anything else (a bug)."""
+    if isinstance(exc, grpc.RpcError):
+        detail = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        return f"containerd at {containerd_address}: {detail}"
+    if isinstance(exc, InvalidReference | RegistryError | PullError | ValueError):
+        return str(exc)
+    return None
+
+
 def unpack_key(chain_id: str) -> str:
     """containerd's unpack key format, "extract-<unique> <chainID>"."""
     return f"extract-{time.time_ns()}-{secrets.token_hex(4)} {chain_id}"
@@ -106,38 +117,41 @@ class PullResult:
     def fetched_bytes(self) -> int:
         return sum(layer.fetched_bytes for layer in self.layers)
 
+    def as_event(self) -> dict[str, object]:
+        """The result as the pull socket's `done` event carries it (snapshotter.pullwire)."""
+        return {
+            "name": self.name,
+            "manifest": self.manifest_digest,
+            "layers": [
+                {"digest": x.digest, "chain_id": x.chain_id, "how": x.how, "fetched_bytes": x.fetched_bytes}
+                for x in self.layers
+            ],
+        }
 
-class LayerProgress:
-    """One tqdm bar per layer: bytes fetched, or how it was satisfied."""
 
-    def __init__(self, index: int, count: int, layer: Descriptor, enabled: bool | None) -> None:
-        # enabled None: a bar only on a terminal (tqdm's own rule). With no
-        # bar tqdm is not even imported: it is tens of milliseconds of a cold
-        # `bootseer pull`'s way to its first Prepare.
-        if not (sys.stderr.isatty() if enabled is None else enabled):
-            self.bar = None
-            return
-        from tqdm import tqdm
+class LayerProgress(Protocol):
+    """What a pull reports of one layer as it goes: bytes fetched, then how
+    the layer was satisfied ("remote", "fetched" or "present")."""
 
-        self.bar = tqdm(
-            total=layer.size,
-            desc=f"layer {index + 1}/{count} {layer.digest[7:19]}",
-            unit="B",
-            unit_scale=True,
-            file=sys.stderr,
-        )
+    def advance(self, n: int) -> None: ...
 
+    def done(self, how: str) -> None: ...
+
+
+# (index, layer count, layer) -> that layer's progress.
+ProgressFactory = Callable[[int, int, Descriptor], LayerProgress]
+
+
+class _Silent:
     def advance(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
+        pass
 
     def done(self, how: str) -> None:
-        if self.bar is None:
-            return
-        self.bar.set_postfix_str(how)
-        if how != "fetched":
-            self.bar.update((self.bar.total or 0) - self.bar.n)
-        self.bar.close()
+        pass
+
+
+def silent(_index: int, _count: int, _layer: Descriptor) -> LayerProgress:
+    return _Silent()
 
 
 class Puller:
@@ -146,15 +160,17 @@ class Puller:
         registry: RegistryClient,
         containerd: ContainerdClient,
         snapshotter: str = DEFAULT_SNAPSHOTTER,
-        progress: bool | None = None,
+        progress: ProgressFactory = silent,
     ) -> None:
         self.registry = registry
         self.containerd = containerd
         self.snapshotter = snapshotter
         self.progress = progress
 
-    def pull(self, reference: str, platform: str | None = None) -> PullResult:
-        started = eventlog.now()
+    def pull(self, reference: str, platform: str | None = None, started: float | None = None) -> PullResult:
+        """`started`: when the user's command began (the records' clock), if
+        not now: the pull's record starts there."""
+        started = eventlog.now() if started is None else started
         try:
             result = self._pull(reference, platform, started)
         except Exception as exc:
@@ -191,7 +207,7 @@ class Puller:
             resolved = eventlog.now()
             layer_times: list[dict[str, object]] = []
             for i, layer in enumerate(layers):
-                bar = LayerProgress(i, len(layers), layer, self.progress)
+                bar = self.progress(i, len(layers), layer)
                 layer_started = eventlog.now()
                 outcome = self._layer(image, i, chains, diff_ids[i], lease, bar)
                 bar.done(outcome.how)

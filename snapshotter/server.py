@@ -25,6 +25,7 @@ from proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc
 from snapshotter.cri.settings import CriConfig
 from snapshotter.fs.layers import LayerStore
 from snapshotter.fs.settings import FsConfig
+from snapshotter.pullservice import PullService
 from snapshotter.registry.settings import RegistryConfig
 from snapshotter.remote import RemoteLayers
 from snapshotter.service import SnapshotsService
@@ -177,6 +178,7 @@ def serve(
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS))
     pb_grpc.add_SnapshotsServicer_to_server(SnapshotsService(snapshotter), server)
     proxy = _cri_proxy(cri or CriConfig(), registry)
+    pulls: PullService | None = None
     # Only what this process bound is removed at the end.
     bound: list[Path] = []
     health: _Health | None = None
@@ -193,6 +195,12 @@ def serve(
         server.start()
         bound.append(config.address)
         os.chmod(config.address, 0o660)
+        if config.pull_address:
+            pull_address = Path(config.pull_address)
+            _prepare_socket(pull_address)
+            pulls = PullService(pull_address, registry)
+            pulls.start()
+            bound.append(pull_address)
         if proxy is not None:
             proxy.start()
             bound.append(proxy.address)
@@ -208,6 +216,7 @@ def serve(
             lazy=config.lazy,
             metrics=config.metrics_address or None,
             cri=(cri.address if cri else "") or None,
+            pulls=config.pull_address or None,
         )
         on_ready()
         # The kernel may hand SIGTERM to one of gRPC's threads; Python then
@@ -219,6 +228,9 @@ def serve(
         if proxy is not None and proxy.address in bound:
             proxy.stop()
         server.stop(SHUTDOWN_GRACE_S).wait()
+        if pulls is not None:
+            pulls.stop()
+            pulls.address.unlink(missing_ok=True)
         if health is not None:
             health.close()
         snapshotter.close()

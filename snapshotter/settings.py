@@ -14,3 +14,6 @@ class SnapshotterConfig:
     metrics_address: str = ""
     # Serve indexed layers lazily through the FUSE layer server.
     lazy: bool = True
+    # Unix socket on which the daemon runs `bootseer pull` for its clients
+    # (snapshotter.pullwire); empty: off, every pull runs in its own process.
+    pull_address: str = "/run/bootseer/pull.sock"

@@ -17,7 +17,15 @@ def _run(args: argparse.Namespace) -> int:
     from snapshotter.trust import TrustError
 
     cfg = load_config(args)
-    override(cfg.snapshotter, args, root="root", address="address", metrics_address="metrics_address", lazy="lazy")
+    override(
+        cfg.snapshotter,
+        args,
+        root="root",
+        address="address",
+        metrics_address="metrics_address",
+        lazy="lazy",
+        pull_address="pull_address",
+    )
     override(cfg.fs, args, store="fs_store", mountpoint="fs_mountpoint")
     override(
         cfg.cri,
@@ -29,6 +37,8 @@ def _run(args: argparse.Namespace) -> int:
     override(cfg.registry, args, cri_credentials="cri_credentials")
     configure_events(cfg, "snapshotter")
     status = f"serving containerd snapshots on {cfg.snapshotter.address}, state in {cfg.snapshotter.root}"
+    if cfg.snapshotter.pull_address:
+        status += f"; pulls on {cfg.snapshotter.pull_address}"
     if cfg.cri.address:
         status += f"; CRI image service proxy on {cfg.cri.address}"
     with Daemon("the snapshotter", status, cfg.snapshotter.metrics_address) as daemon:
@@ -154,6 +164,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--fs-mountpoint", type=Path, help="the layer server's mount")
     parser.add_argument("--address", type=Path, help="unix socket to serve on")
     parser.add_argument("--metrics-address", help="host:port to serve Prometheus metrics on; empty: off")
+    parser.add_argument(
+        "--pull-address",
+        help="unix socket on which to run `bootseer pull` for its clients ([snapshotter] pull_address); empty: off",
+    )
     parser.add_argument(
         "--cri-address",
         help="unix socket for the CRI image-service proxy (kubelet's --image-service-endpoint); empty: off",

@@ -18,10 +18,6 @@ from snapshotter.registry.reference import Reference
 from snapshotter.registry.settings import RegistryConfig
 
 
-def _docker_config(cfg: RegistryConfig, docker_config: Path | None) -> Path | None:
-    return docker_config or (Path(cfg.docker_config) if cfg.docker_config else None)
-
-
 def client_from_config(
     cfg: RegistryConfig,
     plain_http: bool = False,
@@ -29,7 +25,7 @@ def client_from_config(
     docker_config: Path | None = None,
 ) -> RegistryClient:
     sources: Sequence[CredentialSource] = [CriCredentialStore(Path(cfg.cri_credentials))] if cfg.cri_credentials else []
-    keychain = Keychain(_docker_config(cfg, docker_config), sources)
+    keychain = Keychain(cfg.credentials_file(docker_config), sources)
     return RegistryClient(
         plain_http=plain_http, certs_dir=hosts_dir or cfg.config_path, keychain=keychain, mirrors=mirror_policy(cfg)
     )
@@ -70,7 +66,7 @@ def client_with_credentials(
     """A client that authenticates to `ref`'s repository with `creds`, ahead
     of any other source (the hosts.toml of `cfg` still apply): to check
     credentials before keeping them. `source` names them in error messages."""
-    keychain = Keychain(_docker_config(cfg, None), [_Only(ref, creds, source)])
+    keychain = Keychain(cfg.credentials_file(), [_Only(ref, creds, source)])
     return RegistryClient(
         certs_dir=cfg.config_path,
         keychain=keychain,

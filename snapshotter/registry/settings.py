@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from snapshotter.registry.auth import default_docker_config
 from snapshotter.registry.health import (
     DEFAULT_BACKOFF_MAX_S,
     DEFAULT_BACKOFF_S,
@@ -31,3 +32,8 @@ class RegistryConfig:
     mirror_response_timeout_s: float = DEFAULT_RESPONSE_TIMEOUT_S
     mirror_backoff_s: float = DEFAULT_BACKOFF_S
     mirror_backoff_max_s: float = DEFAULT_BACKOFF_MAX_S
+
+    def credentials_file(self, flag: Path | None = None) -> Path:
+        """The docker credentials file: a command's flag, else `docker_config`,
+        else where docker looks ($DOCKER_CONFIG, ~/.docker)."""
+        return flag or (Path(self.docker_config) if self.docker_config else default_docker_config())

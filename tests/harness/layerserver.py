@@ -61,6 +61,11 @@ class LazyConfig:
         return self.workdir / "holder.sock"
 
     @property
+    def pull_socket(self) -> Path:
+        """Where the node's snapshotter runs `bootseer pull` for the commands given this config."""
+        return self.workdir / "pull.sock"
+
+    @property
     def certs_dir(self) -> Path:
         return self.workdir / "certs.d"
 
@@ -89,6 +94,9 @@ class LazyConfig:
             f"""[log]
 level = "debug"
 format = "console"
+
+[snapshotter]
+pull_address = "{self.pull_socket}"
 
 [fs]
 store = "{self.store}"

@@ -67,8 +67,8 @@ class Snapshotter:
             "debug",
             "--log-format",
             "console",
-            # Without a config of its own, keep its layer store here too: the
-            # defaults are the host's /var/lib/bootseer paths.
+            # Without a config of its own, keep its layer store and pull
+            # socket here too: the defaults are the host's /var/lib and /run paths.
             *(() if "--config" in self.extra_args else self._private_layer_paths()),
             *self.extra_args,
         ]
@@ -83,7 +83,14 @@ class Snapshotter:
         )
 
     def _private_layer_paths(self) -> tuple[str, ...]:
-        return ("--fs-store", str(self.workdir / "layers"), "--fs-mountpoint", str(self.workdir / "m"))
+        return (
+            "--fs-store",
+            str(self.workdir / "layers"),
+            "--fs-mountpoint",
+            str(self.workdir / "m"),
+            "--pull-address",
+            str(self.workdir / "pull.sock"),
+        )
 
     def stop(self) -> None:
         self.daemon.stop()

@@ -191,6 +191,8 @@ def test_snapshotter_is_ready_once_its_socket_accepts(notify: NotifySocket) -> N
         str(workdir / "layers"),
         "--fs-mountpoint",
         str(workdir / "m"),
+        "--pull-address",
+        str(workdir / "pull.sock"),
         "--log-format",
         "console",
     ]

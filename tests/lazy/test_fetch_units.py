@@ -139,6 +139,6 @@ def test_layers_are_announced_before_containerd_prepares_them(
         watching = _WatchingPrepares(c.address, c.namespace, store, manifest_hex, image.layout.chain_ids[-1])
         watching.top_layer = image.layout.layer_digests[-1]
         with watching:
-            result = Puller(registry, watching, "bootseer", progress=False).pull(image.ref)
+            result = Puller(registry, watching, "bootseer").pull(image.ref)
     assert [layer.how for layer in result.layers][1:] == ["remote", "remote"]
     assert watching.announced_before_prepare

@@ -96,7 +96,7 @@ def _puller(containerd: Containerd, snapshotter: str = "bootseer") -> Iterator[P
         RegistryClient(plain_http=True) as registry,
         ContainerdClient(containerd.address, containerd.namespace) as ctrd,
     ):
-        yield Puller(registry, ctrd, snapshotter, progress=False)
+        yield Puller(registry, ctrd, snapshotter)
 
 
 def _pull(containerd: Containerd, ref: str, snapshotter: str = "bootseer") -> PullResult:
@@ -247,10 +247,10 @@ def test_already_exists_from_prepare_means_remote(containerd: Containerd, images
 
         def make_available() -> None:
             with ContainerdClient(containerd.address, containerd.namespace) as other:
-                Puller(registry, other, "bootseer", progress=False).pull(twin.ref)
+                Puller(registry, other, "bootseer").pull(twin.ref)
 
         with _LayerArrivesFirst(containerd.address, containerd.namespace, make_available=make_available) as ctrd:
-            result = Puller(registry, ctrd, "bootseer", progress=False).pull(image.ref)
+            result = Puller(registry, ctrd, "bootseer").pull(image.ref)
         assert ctrd.already_exists_seen == 1
     assert [layer.how for layer in result.layers] == ["remote", "present", "present", "present"]
     assert result.fetched_bytes == 0
