@@ -7,14 +7,18 @@ kept per (plain HTTP, hosts directory, credentials file) and containerd
 clients per (socket, namespace), a few of each: a node pulls from a handful
 of registries into one containerd. The socket is root's alone (0600): a
 request names a credentials file the daemon reads and a containerd it
-writes to.
+writes to; a peer of another user (SO_PEERCRED) is refused as well, for the
+moment between the socket's bind and its chmod.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
+import socket
 import socketserver
+import struct
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -148,7 +152,7 @@ class PullService:
             timeout = CLIENT_TIMEOUT_S
 
             def handle(self) -> None:
-                service._serve(self.rfile, self.wfile)
+                service._serve(self.rfile, self.wfile, _peer_uid(self.connection))
 
         self._server = _Server(str(address), Handler)
         self._thread: threading.Thread | None = None
@@ -166,13 +170,15 @@ class PullService:
         self._registries.close()
         self._containerds.close()
 
-    def _serve(self, rfile: io.BufferedIOBase, wfile: io.BufferedIOBase) -> None:
+    def _serve(self, rfile: io.BufferedIOBase, wfile: io.BufferedIOBase, peer_uid: int) -> None:
         began = time.monotonic()
         events = _Events(wfile)
         try:
             line = read_line(rfile)
             if not line:
                 return  # a health check's bare connect
+            if peer_uid not in (0, os.geteuid()):
+                raise RequestError(f"uid {peer_uid} may not pull through the snapshotter (root only)")
             request = PullRequest.decode(line)
         except (RequestError, OSError) as exc:
             PULLS.labels("bad_request").inc()
@@ -214,6 +220,11 @@ class PullService:
         ):
             puller = Puller(registry, containerd, request.snapshotter, progress=events.layer)
             return puller.pull(request.image, request.platform, started=request.started)
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return int(uid)
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):

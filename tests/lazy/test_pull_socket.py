@@ -5,11 +5,15 @@ daemon that takes no harm from bad requests or clients that leave."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import shutil
 import socket
 import stat
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -89,6 +93,47 @@ def test_a_bad_request_gets_a_reason_and_harms_nothing(lazy_node: LazyNode, imag
     image = images.push(f"socket/after-{unique}", [[File("/marker", unique.encode())]])
     lazy_node.index(image.ref)
     assert "(1 remote" in lazy_node.pull(image.ref)
+
+
+def test_only_root_may_ask(lazy_node: LazyNode, images: ImageBuilder, unique: str) -> None:
+    address = lazy_node.layers.config.pull_socket
+    c = lazy_node.containerd
+    request = PullRequest(f"{images.registry_host}/socket/nobody-{unique}:v1", str(c.address), c.namespace, "bootseer")
+    # As if another user reached the socket before its chmod: a link to it
+    # where that user can go (the node's work directory is root's).
+    shared = Path(tempfile.mkdtemp(prefix="bs-pub-", dir="/tmp"))
+    shared.chmod(0o755)
+    os.link(address, shared / "pull.sock")
+    address.chmod(0o666)
+    try:
+        asked = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", _ASK_AS_NOBODY],
+            input=request.encode(),
+            capture_output=True,
+            timeout=60,
+            check=False,
+            env={"ADDRESS": str(shared / "pull.sock")},
+        )
+    finally:
+        address.chmod(0o600)
+        shutil.rmtree(shared)
+    assert asked.returncode == 0, asked.stderr
+    events = [json.loads(line) for line in asked.stdout.splitlines()]
+    assert len(events) == 1 and events[0]["event"] == "error", events
+    assert "uid 65534 may not pull" in str(events[0]["message"])
+    assert _served(lazy_node, request.image) == 0
+
+
+# Sends stdin's request line to $ADDRESS and prints the answer.
+_ASK_AS_NOBODY = """
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(os.environ["ADDRESS"])
+s.sendall(sys.stdin.buffer.read())
+s.shutdown(socket.SHUT_WR)
+while chunk := s.recv(65536):
+    sys.stdout.buffer.write(chunk)
+"""
 
 
 def test_a_client_that_leaves_mid_pull_leaves_nothing_behind(
