@@ -184,7 +184,7 @@ class PullService:
             PULLS.labels("bad_request").inc()
             log.warning("pull.bad_request", error=str(exc))
             with contextlib.suppress(_ClientGone):
-                events.send("error", message=f"bad request: {exc}")
+                events.send("error", message=f"bad request: {exc}", refused=True)
             # Closing on unread bytes would reset the connection, and the
             # client might lose the reason: read on to its end, boundedly.
             with contextlib.suppress(OSError):

@@ -12,7 +12,9 @@ in its own process, exactly as before.
 Wire: one JSON object a line over a unix stream socket. The client writes
 one request; the daemon answers with `layer`, `fetched` and `layer_done`
 events (for progress bars) and ends with one `done` (the result) or
-`error` (a message for the user). Standard library only: the CLI imports
+`error` (a message for the user; `refused` when the daemon did not take
+the request at all, e.g. a daemon older than the command that does not
+know one of its fields: the command then pulls itself). Standard library only: the CLI imports
 this and nothing heavier on its way to the daemon.
 """
 
@@ -41,7 +43,12 @@ class RequestError(ValueError):
 
 
 class DaemonAbsent(Exception):
-    """Nothing serves pulls on the socket."""
+    """Nothing serves pulls on the socket: the command pulls itself."""
+
+
+class RequestRefused(DaemonAbsent):
+    """The daemon did not take the request at all (an older daemon than the
+    command, say): the command pulls itself, and says why."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,8 @@ def read_line(stream: Any) -> bytes:
 def request_pull(address: Path, request: PullRequest) -> Iterator[dict[str, Any]]:
     """Send `request` to the daemon on `address` and yield its events, the
     last one `done` or `error`. Raises DaemonAbsent if nothing serves the
-    socket (before anything was sent), ConnectionError if the daemon goes
+    socket (before anything was sent), RequestRefused if the daemon did not
+    take the request, ConnectionError if the daemon goes
     away mid-pull."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
@@ -121,6 +129,8 @@ def request_pull(address: Path, request: PullRequest) -> Iterator[dict[str, Any]
                     raise ConnectionError(f"the daemon on {address} sent a line that is not JSON") from None
                 if not isinstance(event, dict) or not isinstance(event.get("event"), str):
                     raise ConnectionError(f"the daemon on {address} sent an event without a name")
+                if event["event"] == "error" and event.get("refused") is True:
+                    raise RequestRefused(f"the snapshotter on {address} refused the pull: {event.get('message')}")
                 yield event
                 if event["event"] in ("done", "error"):
                     return

@@ -10,7 +10,6 @@ daemon has gRPC, the registry client and their connections warm
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -25,6 +24,7 @@ from snapshotter.pullwire import (
     DEFAULT_SNAPSHOTTER,
     DaemonAbsent,
     PullRequest,
+    RequestRefused,
     request_pull,
 )
 
@@ -63,7 +63,8 @@ class LayerBar:
 
 def _through_daemon(address: Path, request: PullRequest) -> dict[str, Any]:
     """The pull run by the daemon on `address`: its `done` event. Raises
-    DaemonAbsent if no daemon serves there."""
+    DaemonAbsent if no daemon serves there, RequestRefused if it does not
+    take the request."""
     bars: dict[int, LayerBar] = {}
     try:
         for event in request_pull(address, request):
@@ -78,7 +79,7 @@ def _through_daemon(address: Path, request: PullRequest) -> dict[str, Any]:
                 raise CommandError(str(event.get("message")))
             elif kind == "done":
                 return event
-    except (ConnectionError, OSError) as exc:
+    except (ConnectionError, OSError, ValueError) as exc:
         raise CommandError(str(exc)) from None
     finally:
         for bar in bars.values():
@@ -130,8 +131,12 @@ def _run(args: argparse.Namespace) -> int:
     )
     result = None
     if cfg.snapshotter.pull_address and not args.in_process:
-        with contextlib.suppress(DaemonAbsent):
+        try:
             result = _through_daemon(Path(cfg.snapshotter.pull_address), request)
+        except RequestRefused as exc:
+            print(f"bootseer pull: {exc}; pulling in this process", file=sys.stderr)
+        except DaemonAbsent:
+            pass
     if result is None:
         result = _in_process(args, cfg, request)
     layers = result["layers"]

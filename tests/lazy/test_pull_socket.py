@@ -14,11 +14,12 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 
-from snapshotter.pullwire import PullRequest, request_pull
+from snapshotter.pullwire import PullRequest, encode_event, request_pull
 from tests.harness.lazynode import LazyNode
 from tests.harness.oci import File, ImageBuilder, busybox_layer
 from tests.harness.procs import wait_until
@@ -93,6 +94,45 @@ def test_a_bad_request_gets_a_reason_and_harms_nothing(lazy_node: LazyNode, imag
     image = images.push(f"socket/after-{unique}", [[File("/marker", unique.encode())]])
     lazy_node.index(image.ref)
     assert "(1 remote" in lazy_node.pull(image.ref)
+
+
+def test_a_daemon_that_refuses_the_request_leaves_the_pull_to_the_command(
+    lazy_node: LazyNode, images: ImageBuilder, unique: str, tmp_path: Path
+) -> None:
+    """An older daemon than the command (a field it does not know), as it
+    answers: the command says so and pulls itself."""
+    image = images.push(f"socket/older-{unique}", [busybox_layer(), [File("/older.txt", b"older\n")]])
+    older = tmp_path / "older.sock"
+    refusal = encode_event("error", message="bad request: unknown request fields: started", refused=True)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(older))
+        server.listen()
+
+        def answer() -> None:
+            peer, _ = server.accept()
+            with peer:
+                peer.recv(65536)
+                peer.sendall(refusal)
+
+        answering = threading.Thread(target=answer, daemon=True)
+        answering.start()
+        config = tmp_path / "config.toml"
+        own = str(lazy_node.layers.config.pull_socket)
+        config.write_text(lazy_node.layers.config.path.read_text().replace(own, str(older)))
+        c = lazy_node.containerd
+        argv = [str(BOOTSEER_BIN), "pull", "--config", str(config), "--address", str(c.address)]
+        done = subprocess.run(
+            [*argv, "--namespace", c.namespace, "--snapshotter", "overlayfs", image.ref],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        answering.join(10)
+    assert done.returncode == 0, done.stderr
+    assert "refused the pull: bad request: unknown request fields: started" in done.stderr
+    assert "pulling in this process" in done.stderr and "(0 remote, " in done.stdout
+    assert _served(lazy_node, image.ref) == 0
 
 
 def test_only_root_may_ask(lazy_node: LazyNode, images: ImageBuilder, unique: str) -> None:
