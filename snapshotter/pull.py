@@ -33,7 +33,7 @@ from snapshotter.labels import (
     remote_snapshot_labels,
 )
 from snapshotter.layer.index import chain_ids
-from snapshotter.pullwire import DEFAULT_SNAPSHOTTER
+from snapshotter.pullwire import DEFAULT_SNAPSHOTTER, PullRequest
 from snapshotter.registry.client import RegistryClient, ResolvedImage
 from snapshotter.registry.errors import RegistryError
 from snapshotter.registry.media import Descriptor
@@ -152,6 +152,14 @@ class _Silent:
 
 def silent(_index: int, _count: int, _layer: Descriptor) -> LayerProgress:
     return _Silent()
+
+
+def pull_request(
+    request: PullRequest, registry: RegistryClient, containerd: ContainerdClient, progress: ProgressFactory = silent
+) -> PullResult:
+    """The pull `request` asks for (the pull socket's, or the command's own)."""
+    puller = Puller(registry, containerd, request.snapshotter, progress)
+    return puller.pull(request.image, request.platform, started=request.started)
 
 
 class Puller:

@@ -29,7 +29,7 @@ import structlog
 from prometheus_client import Counter, Histogram
 
 from snapshotter.containerd_client import ContainerdClient
-from snapshotter.pull import LayerProgress, Puller, PullResult, failure_message
+from snapshotter.pull import LayerProgress, PullResult, failure_message, pull_request
 from snapshotter.pullwire import PullRequest, RequestError, encode_event, read_line
 from snapshotter.registry.client import RegistryClient
 from snapshotter.registry.config import client_from_config
@@ -218,8 +218,7 @@ class PullService:
             self._registries.get((request.plain_http, request.hosts_dir, request.docker_config)) as registry,
             self._containerds.get((request.address, request.namespace)) as containerd,
         ):
-            puller = Puller(registry, containerd, request.snapshotter, progress=events.layer)
-            return puller.pull(request.image, request.platform, started=request.started)
+            return pull_request(request, registry, containerd, events.layer)
 
 
 def _peer_uid(sock: socket.socket) -> int:

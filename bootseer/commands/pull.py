@@ -87,9 +87,9 @@ def _through_daemon(address: Path, request: PullRequest) -> dict[str, Any]:
     raise CommandError(f"the snapshotter on {address} ended the pull without a result")
 
 
-def _in_process(args: argparse.Namespace, cfg: config_mod.Config, request: PullRequest) -> dict[str, Any]:
+def _in_process(cfg: config_mod.Config, request: PullRequest) -> dict[str, Any]:
     from snapshotter.containerd_client import ContainerdClient
-    from snapshotter.pull import Puller, failure_message
+    from snapshotter.pull import failure_message, pull_request
     from snapshotter.registry.config import client_from_config
     from snapshotter.registry.media import Descriptor
 
@@ -99,16 +99,16 @@ def _in_process(args: argparse.Namespace, cfg: config_mod.Config, request: PullR
     def bar(index: int, count: int, layer: Descriptor) -> LayerBar:
         return LayerBar(index, count, layer.digest, layer.size)
 
+    hosts_dir = Path(request.hosts_dir) if request.hosts_dir else None
+    docker_config = Path(request.docker_config) if request.docker_config else None
     try:
         with (
-            client_from_config(cfg.registry, args.plain_http, args.hosts_dir, args.docker_config) as registry,
-            ContainerdClient(args.address, args.namespace) as containerd,
+            client_from_config(cfg.registry, request.plain_http, hosts_dir, docker_config) as registry,
+            ContainerdClient(Path(request.address), request.namespace) as containerd,
         ):
-            result = Puller(registry, containerd, args.snapshotter, progress=bar).pull(
-                args.image, args.platform, started=request.started
-            )
+            result = pull_request(request, registry, containerd, bar)
     except Exception as exc:
-        message = failure_message(exc, args.address)
+        message = failure_message(exc, request.address)
         if message is None:
             raise
         raise CommandError(message) from None
@@ -138,7 +138,7 @@ def _run(args: argparse.Namespace) -> int:
         except DaemonAbsent:
             pass
     if result is None:
-        result = _in_process(args, cfg, request)
+        result = _in_process(cfg, request)
     layers = result["layers"]
     counts = {how: sum(1 for layer in layers if layer["how"] == how) for how in ("remote", "fetched", "present")}
     fetched = sum(layer["fetched_bytes"] for layer in layers)
