@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import BinaryIO, Protocol
 
 import grpc
@@ -35,10 +36,12 @@ from snapshotter.labels import (
 from snapshotter.layer.index import chain_ids
 from snapshotter.pullwire import DEFAULT_SNAPSHOTTER, PullRequest
 from snapshotter.registry.client import RegistryClient, ResolvedImage
+from snapshotter.registry.config import client_from_config
 from snapshotter.registry.errors import RegistryError
 from snapshotter.registry.media import Descriptor
 from snapshotter.registry.reference import InvalidReference
 from snapshotter.registry.reference import parse as parse_reference
+from snapshotter.registry.settings import RegistryConfig
 
 log = structlog.get_logger("bootseer.pull")
 
@@ -152,6 +155,16 @@ class _Silent:
 
 def silent(_index: int, _count: int, _layer: Descriptor) -> LayerProgress:
     return _Silent()
+
+
+def registry_client(
+    cfg: RegistryConfig, plain_http: bool, hosts_dir: str | None, docker_config: str | None
+) -> RegistryClient:
+    """The registry client for a pull request's flags (PullRequest's
+    plain_http, hosts_dir and docker_config) over the `[registry]` section."""
+    return client_from_config(
+        cfg, plain_http, Path(hosts_dir) if hosts_dir else None, Path(docker_config) if docker_config else None
+    )
 
 
 def pull_request(

@@ -29,10 +29,9 @@ import structlog
 from prometheus_client import Counter, Histogram
 
 from snapshotter.containerd_client import ContainerdClient
-from snapshotter.pull import LayerProgress, PullResult, failure_message, pull_request
+from snapshotter.pull import LayerProgress, PullResult, failure_message, pull_request, registry_client
 from snapshotter.pullwire import PullRequest, RequestError, encode_event, read_line
 from snapshotter.registry.client import RegistryClient
-from snapshotter.registry.config import client_from_config
 from snapshotter.registry.media import Descriptor
 from snapshotter.registry.settings import RegistryConfig
 
@@ -135,13 +134,7 @@ class PullService:
     def __init__(self, address: Path, registry: RegistryConfig) -> None:
         self.address = address
         self._registries: _Warm[tuple[bool, str | None, str | None], RegistryClient] = _Warm(
-            lambda key: client_from_config(
-                registry,
-                plain_http=key[0],
-                hosts_dir=Path(key[1]) if key[1] else None,
-                docker_config=Path(key[2]) if key[2] else None,
-            ),
-            RegistryClient.close,
+            lambda key: registry_client(registry, *key), RegistryClient.close
         )
         self._containerds: _Warm[tuple[str, str], ContainerdClient] = _Warm(
             lambda key: ContainerdClient(Path(key[0]), key[1]), ContainerdClient.close

@@ -89,8 +89,7 @@ def _through_daemon(address: Path, request: PullRequest) -> dict[str, Any]:
 
 def _in_process(cfg: config_mod.Config, request: PullRequest) -> dict[str, Any]:
     from snapshotter.containerd_client import ContainerdClient
-    from snapshotter.pull import failure_message, pull_request
-    from snapshotter.registry.config import client_from_config
+    from snapshotter.pull import failure_message, pull_request, registry_client
     from snapshotter.registry.media import Descriptor
 
     configure_logging(cfg)
@@ -99,11 +98,9 @@ def _in_process(cfg: config_mod.Config, request: PullRequest) -> dict[str, Any]:
     def bar(index: int, count: int, layer: Descriptor) -> LayerBar:
         return LayerBar(index, count, layer.digest, layer.size)
 
-    hosts_dir = Path(request.hosts_dir) if request.hosts_dir else None
-    docker_config = Path(request.docker_config) if request.docker_config else None
     try:
         with (
-            client_from_config(cfg.registry, request.plain_http, hosts_dir, docker_config) as registry,
+            registry_client(cfg.registry, request.plain_http, request.hosts_dir, request.docker_config) as registry,
             ContainerdClient(Path(request.address), request.namespace) as containerd,
         ):
             result = pull_request(request, registry, containerd, bar)
