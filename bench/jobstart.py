@@ -271,14 +271,19 @@ class JobNode:
 def start_job_node(s: Servers, store_prefix: str) -> JobNode:
     def sections(workdir: Path) -> str:
         return (
-            f'\n[events]\ndir = "{workdir / "events"}"\nsummary_interval_s = 0.5\n'
             f'\n[depsnap]\nsocket = "{workdir / "depsnap" / "depsnap.sock"}"\n'
             f'cache_dir = "{workdir / "depsnap-cache"}"\n'
             f'store = "{s.store_url(store_prefix)}"\npod_targets = ["{ENV_TARGET}"]\n'
         )
 
     # The recording ends at the first step (`Bench._publish`), not by idling.
-    node = start_node([s.registry.host], hot_blocks=True, extra_config=sections, record_idle_s=FsConfig().record_max_s)
+    node = start_node(
+        [s.registry.host],
+        hot_blocks=True,
+        extra_config=sections,
+        record_idle_s=FsConfig().record_max_s,
+        events_summary_interval_s=0.5,
+    )
     workdir = node.layers.config.workdir
     job = JobNode(node, node.layers.config.path, workdir / "depsnap", workdir / "ckpt")
     socket = job.socket_dir / "depsnap.sock"

@@ -79,13 +79,15 @@ def start_node(
     record_idle_s: float | None = None,
     background_fetch: bool | None = None,
     unpack_whole_layers: bool | None = None,
+    events_summary_interval_s: float | None = None,
 ) -> Node:
     """A fresh node whose registry hosts in `plain_http_hosts` speak plain HTTP;
     `namespace`: the containerd namespace its `ctr` and `bootseer pull`
     commands use (containers' cgroups are named after it); `extra_config`:
     more sections for its config file, given the node's work directory;
     `record_idle_s`, `background_fetch`, `unpack_whole_layers`: [fs]
-    settings, if not the product's."""
+    settings, if not the product's; `events_summary_interval_s`: [events]'s.
+    The node's event records stay in its work directory."""
     # The product's settings, not the tests': their 1 s idle window would end
     # a recording during the start's CPU-bound phases, before the shard is read.
     defaults = FsConfig()
@@ -100,6 +102,7 @@ def start_node(
         blocks_after_miss=defaults.blocks_after_miss,
         background_fetch=defaults.background_fetch if background_fetch is None else background_fetch,
         unpack_whole_layers=defaults.unpack_whole_layers if unpack_whole_layers is None else unpack_whole_layers,
+        events_summary_interval_s=events_summary_interval_s,
     )
     config.write()
     # Debug logging of every FUSE call would be part of what is measured.

@@ -42,6 +42,10 @@ class LazyConfig:
     unpack_whole_layers: bool = False
     # [fs] hot_blocks_publish: "elected" (the code default), "designated", "never".
     hot_blocks_publish: str = "elected"
+    # [events]: the node's records go to its own directory (events_dir), not
+    # the host's; the product's bounds where these are None.
+    events_max_bytes: int | None = None
+    events_summary_interval_s: float | None = None
 
     @property
     def path(self) -> Path:
@@ -59,6 +63,11 @@ class LazyConfig:
     def holder_socket(self) -> Path:
         """Where the layer server's descriptor holder keeps the mount's connection."""
         return self.workdir / "holder.sock"
+
+    @property
+    def events_dir(self) -> Path:
+        """Where the node's daemons and commands keep their event records."""
+        return self.workdir / "events"
 
     @property
     def pull_socket(self) -> Path:
@@ -90,6 +99,11 @@ class LazyConfig:
     def write(self) -> Path:
         for host in self.plain_http_hosts:
             self.allow_plain_http(host)
+        events = f'dir = "{self.events_dir}"\n'
+        if self.events_max_bytes is not None:
+            events += f"max_bytes = {self.events_max_bytes}\n"
+        if self.events_summary_interval_s is not None:
+            events += f"summary_interval_s = {self.events_summary_interval_s}\n"
         self.path.write_text(
             f"""[log]
 level = "debug"
@@ -113,6 +127,8 @@ background_fetch = {str(self.background_fetch).lower()}
 unpack_whole_layers = {str(self.unpack_whole_layers).lower()}
 hot_blocks_publish = "{self.hot_blocks_publish}"
 
+[events]
+{events}
 [registry]
 config_path = "{self.certs_dir}"
 docker_config = "{self.docker_config}"

@@ -11,7 +11,6 @@ import random
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,18 +32,14 @@ pytestmark = pytest.mark.integration
 COMMAND_OVERHEAD_S = 5.0
 
 
-@dataclass
-class EventsConfig(LazyConfig):
-    def write(self) -> Path:
-        path = super().write()
-        with path.open("a") as out:
-            out.write(f'\n[events]\ndir = "{self.workdir / "events"}"\nmax_bytes = 1048576\nsummary_interval_s = 0.2\n')
-        return path
-
-
 @pytest.fixture(scope="module")
 def node(registry: Registry) -> Iterator[LazyNode]:
-    config = EventsConfig(Path(tempfile.mkdtemp(prefix="bs-rep-", dir="/tmp")), [registry.host])
+    config = LazyConfig(
+        Path(tempfile.mkdtemp(prefix="bs-rep-", dir="/tmp")),
+        [registry.host],
+        events_max_bytes=1048576,
+        events_summary_interval_s=0.2,
+    )
     config.write()
     started: list[LayerServer | Snapshotter | Containerd] = []
     try:
@@ -118,7 +113,7 @@ def test_report_of_a_container_that_ran(node: LazyNode, images: ImageBuilder, un
         assert node_doc["node"]["wall_s"] >= rep["wall_s"] - TOLERANCE_S
 
         # Bounded: every daemon's records stay under [events] max_bytes.
-        events = node.layers.config.workdir / "events"
+        events = node.layers.config.events_dir
         assert {p.name for p in events.iterdir()} >= {"snapshotter.jsonl", "layer-server.jsonl"}
         # The snapshotter ran the pull (its pull socket): the record is in its file.
         records = [json.loads(line) for line in (events / "snapshotter.jsonl").read_text().splitlines()]
