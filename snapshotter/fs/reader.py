@@ -38,7 +38,7 @@ import errno
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,20 +50,25 @@ from snapshotter.fs import metrics
 from snapshotter.fs.blockindex import BlockIndex, BlockIndexError, BlockRecord, BlockState
 from snapshotter.fs.eviction import BlockCache, hole
 from snapshotter.fs.settings import FETCH_DEADLINE_S
-from snapshotter.layer.blockmath import InOrderReadAhead, fetch_runs, split_run
+from snapshotter.layer.blockmath import InOrderReadAhead, RunArrival, fetch_runs
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import LayerIndex
 
 log = structlog.get_logger("bootseer.fs")
 
 
+# Where a fetch hands the bytes it receives, as they arrive.
+Sink = Callable[[bytes], None]
+
+
 @dataclass(frozen=True)
 class BoundedFetcher:
-    """Fetches [start, end) of a layer blob by a deadline it is given (a
-    time.monotonic() value): exactly end - start bytes, or an exception, by
-    then. `deadline_s`: how long after a read began that deadline falls."""
+    """Streams [start, end) of a layer blob to a sink by a deadline it is
+    given (a time.monotonic() value): exactly end - start bytes, in order,
+    or an exception, by then. `deadline_s`: how long after a read began
+    that deadline falls."""
 
-    fetch: Callable[[int, int, float], bytes]
+    stream: Callable[[int, int, float, Sink], None]
     deadline_s: float = FETCH_DEADLINE_S
 
 
@@ -100,6 +105,34 @@ class _Flight:
     image: str | None = None
     # The block's bytes when the cache could not take them: its readers get these.
     uncached: bytes | None = None
+    # The deadline its fetch lands it by (with the fetch's error if need be).
+    deadline: float | None = None
+
+
+class _RunSink:
+    """The fetch thread's end of a run: the bytes go into the run's buffer,
+    and the event loop is told (`arrived`, without waiting for it) each
+    time a block's end is passed, so that the block lands while the rest
+    is still coming."""
+
+    def __init__(self, buffer: bytearray, ends: list[int], arrived: Callable[[int], None]) -> None:
+        self.buffer = buffer
+        self.ends = ends
+        self.arrived = arrived
+        self.received = 0
+        self._next = 0
+        self._loop = trio.lowlevel.current_trio_token()
+
+    def __call__(self, chunk: bytes) -> None:
+        size = len(chunk)
+        if self.received + size > len(self.buffer):
+            raise BlockVerificationError(f"the range answered more than its {len(self.buffer)} bytes")
+        self.buffer[self.received : self.received + size] = chunk
+        self.received += size
+        if self._next < len(self.ends) and self.received >= self.ends[self._next]:
+            while self._next < len(self.ends) and self.received >= self.ends[self._next]:
+                self._next += 1
+            self._loop.run_sync_soon(self.arrived, self.received)
 
 
 class LayerReader:
@@ -126,7 +159,7 @@ class LayerReader:
         if isinstance(fetch, BoundedFetcher):
             self.fetcher = fetch
         else:
-            self.fetcher = BoundedFetcher(lambda start, end, _deadline: fetch(start, end))
+            self.fetcher = BoundedFetcher(lambda start, end, _deadline, sink: sink(fetch(start, end)))
         self.decoder = BlockDecoder(index)
         records = block_index.cached(cache_key)
         self.cached: set[int] = set(records)
@@ -264,12 +297,10 @@ class LayerReader:
             if wanting
             else []
         )
-        if ahead:
-            trio.lowlevel.spawn_system_task(self._read_ahead, ahead)
         # Only a read that may wait on the registry needs a deadline: a hit
         # (nothing wanted, so nothing to wait for) spares the clock.
         deadline = time.monotonic() + self.fetcher.deadline_s if wanting else None
-        uncached = await self.ensure(numbers, deadline=deadline)
+        uncached = await self.ensure(numbers, deadline=deadline, ahead=ahead)
         # A write to the cache may have failed while this read waited.
         if uncached or (self.unverified and not self.unverified.keys().isdisjoint(numbers)):
             data = await self._gather(start, end, numbers, uncached, deadline)
@@ -337,11 +368,6 @@ class LayerReader:
             del buffer[got + len(rest) :]
         return bytes(buffer)
 
-    async def _read_ahead(self, numbers: list[int]) -> None:
-        # The reader gets the error if and when it gets there.
-        with contextlib.suppress(BlockUnavailable):
-            await self.ensure(numbers, Origin.READAHEAD)
-
     def _verify(self, n: int) -> None:
         # In the event loop, not a thread: a concurrent read of the same block
         # must not see it cached before the check is done. Once per block per
@@ -382,6 +408,7 @@ class LayerReader:
         origin: Origin = Origin.READ,
         deadline: float | None = None,
         image: str | None = None,
+        ahead: Sequence[int] = (),
     ) -> dict[int, bytes]:
         """Return once every block in `numbers` is cached, with the bytes of
         those the cache could not take, by number; raise BlockUnavailable if
@@ -389,19 +416,26 @@ class LayerReader:
         given. A block already on its way is waited for, not fetched again.
         Without a deadline (prefetches) each fetch is bounded on its own.
         `image`: the image a prefetch is for, whose bytes the fetches it
-        starts count for."""
+        starts count for. `ahead`: blocks read ahead (a miss's next ones),
+        fetched in the same Range request as those of `numbers` they follow
+        and not waited for: they land after the read's own."""
         self._refuse_if_closed()
         self.busy += 1
         self.touched = True
         try:
-            return await self._ensure(numbers, origin, deadline, image)
+            return await self._ensure(numbers, origin, deadline, image, ahead)
         finally:
             self.busy -= 1
 
     async def _ensure(
-        self, numbers: range | list[int], origin: Origin, deadline: float | None, image: str | None
+        self,
+        numbers: range | list[int],
+        origin: Origin,
+        deadline: float | None,
+        image: str | None,
+        ahead: Sequence[int],
     ) -> dict[int, bytes]:
-        await self._wait_evictions(numbers)
+        await self._wait_evictions([*numbers, *ahead])
         self._refuse_if_closed()
         to_fetch: list[int] = []
         waits: list[tuple[int, _Flight]] = []
@@ -410,11 +444,16 @@ class LayerReader:
                 continue
             flight = self.inflight.get(n)
             if flight is None:
-                flight = self.inflight[n] = _Flight(origin=origin, image=image)
+                flight = self.inflight[n] = _Flight(origin=origin, image=image, deadline=deadline)
                 to_fetch.append(n)
             waits.append((n, flight))
+        for n in ahead:
+            if n not in self.cached and n not in self.inflight:
+                self.inflight[n] = _Flight(origin=Origin.READAHEAD, deadline=deadline)
+                to_fetch.append(n)
         if not waits:
-            # All cached (every block to fetch is waited for too).
+            # All cached: what is read ahead lands on its own.
+            self._fetch(to_fetch, origin, deadline, image)
             return {}
         if origin is not Origin.READ:
             return await self._wait(to_fetch, waits, origin, deadline, image)
@@ -516,16 +555,16 @@ class LayerReader:
         image: str | None,
     ) -> dict[int, bytes]:
         """Fetch `to_fetch`, then wait for every flight in `waits` (ensure)."""
-        if to_fetch:
-            async with trio.open_nursery() as nursery:
-                for run in fetch_runs(to_fetch, self.index.blocks):
-                    nursery.start_soon(self._fetch_run, run, origin, deadline, image)
+        self._fetch(to_fetch, origin, deadline, image)
         uncached: dict[int, bytes] = {}
         for n, flight in waits:
             # Only a wait that has to block may time out: a block that landed
-            # is served even when it landed at the deadline.
+            # is served even when it landed at the deadline. A fetch bound by
+            # this deadline or an earlier one lands the block by then, with
+            # its error if it fails: that is the one to wait for.
             if not flight.done.is_set():
-                with trio.move_on_at(math.inf if deadline is None else _on_trio_clock(deadline)):
+                bound = deadline is not None and flight.deadline is not None and flight.deadline <= deadline
+                with trio.move_on_at(math.inf if deadline is None or bound else _on_trio_clock(deadline)):
                     await flight.done.wait()
                 if not flight.done.is_set():
                     raise BlockUnavailable(
@@ -538,10 +577,20 @@ class LayerReader:
                 uncached[n] = flight.uncached
         return uncached
 
+    def _fetch(self, numbers: list[int], origin: Origin, deadline: float | None, image: str | None) -> None:
+        """Set the fetches of `numbers` going, a Range request per run of
+        them; each block's flight tells when it landed. The fetches outlive
+        the ensure that started them, so that a read waits for its own
+        blocks only, not for those read ahead in the same request."""
+        for run in fetch_runs(numbers, self.index.blocks):
+            trio.lowlevel.spawn_system_task(self._fetch_run, run, origin, deadline, image)
+
     async def _fetch_run(self, run: list[int], origin: Origin, deadline: float | None, image: str | None) -> None:
         # Blocks land one by one as they are stored; what is left here when
         # the attempts run out, or the deadline passes, gets the error.
         remaining = list(run)
+        # Open (not closed under it) until every block of the run landed.
+        self.busy += 1
         try:
             for attempt in range(1, VERIFY_ATTEMPTS + 1):
                 try:
@@ -563,6 +612,8 @@ class LayerReader:
             log.error("block fetch failed", layer=self.name, blocks=remaining, error=str(exc))
             for n in remaining:
                 self._land(n, exc)
+        finally:
+            self.busy -= 1
 
     def _land(self, number: int, error: Exception | None, uncached: bytes | None = None) -> None:
         flight = self.inflight.pop(number)
@@ -589,18 +640,19 @@ class LayerReader:
         self, remaining: list[int], origin: Origin, deadline: float | None, image: str | None
     ) -> None:
         """Fetch the contiguous blocks in `remaining` with one Range request,
-        then verify, decode and land them in parallel, removing each from
-        `remaining` as it lands."""
+        verifying, decoding and landing each (in parallel, removing it from
+        `remaining`) as soon as its bytes are in: a read waiting on the
+        first block of a run does not wait for the rest of the response."""
         blocks = self.index.blocks
         start, end = blocks[remaining[0]].cstart, blocks[remaining[-1]].cend
-        data = await self._fetch_range(start, end, origin, deadline)
-        metrics.FETCHED_BYTES.inc(len(data))
-        if self.on_fetched is not None:
-            self.on_fetched(self.index.layer_digest, len(data), image, False)
-        if len(data) != end - start:
-            raise BlockVerificationError(f"range {start}-{end} answered with {len(data)} bytes")
-
+        # Of a fixed size, so that views of it stay valid while the rest
+        # arrives. Views, not copies: a prefetch moves hundreds of megabytes
+        # through here, and the event loop would make every copy.
+        buffer = bytearray(end - start)
+        arrival = RunArrival(list(remaining), blocks, memoryview(buffer))
         errors: list[Exception] = []
+        fetch_error: Exception | None = None
+        live = True
 
         async def store(n: int, compressed: memoryview) -> None:
             try:
@@ -611,11 +663,32 @@ class LayerReader:
             remaining.remove(n)
             self._land(n, None, uncached)
 
-        # Views, not copies, of the run's bytes: a prefetch moves hundreds of
-        # megabytes through here, and the event loop would make every copy.
         async with trio.open_nursery() as nursery:
-            for n, compressed in split_run(list(remaining), blocks, memoryview(data)).items():
-                nursery.start_soon(store, n, compressed)
+
+            def arrived(received: int) -> None:
+                # In the event loop, from the fetch thread (which must not
+                # raise here). What a fetch the deadline made us leave goes
+                # on delivering lands nowhere.
+                if live:
+                    for n, compressed in arrival.whole(received).items():
+                        nursery.start_soon(store, n, compressed)
+
+            sink = _RunSink(buffer, arrival.ends, arrived)
+            try:
+                await self._fetch_range(start, end, origin, deadline, sink)
+            except Exception as exc:
+                fetch_error = exc
+            # Every block that arrived whole lands, whether or not the rest
+            # came (what the thread announced may not have run yet).
+            arrived(sink.received)
+            live = False
+        metrics.FETCHED_BYTES.inc(sink.received)
+        if self.on_fetched is not None:
+            self.on_fetched(self.index.layer_digest, sink.received, image, False)
+        if fetch_error is not None:
+            raise fetch_error
+        if sink.received != end - start:
+            raise BlockVerificationError(f"range {start}-{end} answered with {sink.received} bytes")
         if errors:
             raise errors[0]
 
@@ -659,29 +732,30 @@ class LayerReader:
             return data, True
         return data, self._write(n, data)
 
-    async def _fetch_range(self, start: int, end: int, origin: Origin, deadline: float | None) -> bytes:
-        """The bytes from a worker thread holding one of `origin`'s fetch
-        slots. The slot stays taken until the thread is done, even one the
-        deadline made us stop waiting for: threads stuck on a registry never
-        outnumber the slots."""
+    async def _fetch_range(self, start: int, end: int, origin: Origin, deadline: float | None, sink: _RunSink) -> None:
+        """The bytes into `sink` from a worker thread holding one of
+        `origin`'s fetch slots. The slot stays taken until the thread is
+        done, even one the deadline made us stop waiting for: threads stuck
+        on a registry never outnumber the slots."""
         limiter = self.limiters[origin]
         if deadline is None:
-            return await trio.to_thread.run_sync(self._fetch_in_thread, start, end, None, limiter=limiter)
+            await trio.to_thread.run_sync(self._fetch_in_thread, start, end, None, sink, limiter=limiter)
+            return
         with trio.move_on_at(_on_trio_clock(deadline)):
-            return await trio.to_thread.run_sync(
-                self._fetch_in_thread, start, end, deadline, limiter=limiter, abandon_on_cancel=True
+            await trio.to_thread.run_sync(
+                self._fetch_in_thread, start, end, deadline, sink, limiter=limiter, abandon_on_cancel=True
             )
+            return
         raise BlockUnavailable(
             f"range [{start}, {end}) of layer {self.name} not fetched within the "
             f"{self.fetcher.deadline_s:g} s fetch deadline; the registry is stalled or too slow"
         )
 
-    def _fetch_in_thread(self, start: int, end: int, deadline: float | None) -> bytes:
+    def _fetch_in_thread(self, start: int, end: int, deadline: float | None, sink: _RunSink) -> None:
         # A deadline not set yet (a prefetch's) starts now that the fetch has its slot.
         began = time.monotonic()
-        data = self.fetcher.fetch(start, end, began + self.fetcher.deadline_s if deadline is None else deadline)
+        self.fetcher.stream(start, end, began + self.fetcher.deadline_s if deadline is None else deadline, sink)
         metrics.FETCH_SECONDS.observe(time.monotonic() - began)
-        return data
 
     def _write(self, number: int, data: bytes) -> bool:
         """Write a verified, decompressed block to the cache, then record it

@@ -97,7 +97,9 @@ def serve(
         # The reader's deadline goes down to the registry client, so a fetch
         # the reader gave up on stops retrying there too.
         return BoundedFetcher(
-            lambda start, end, deadline: client.fetch_range(ref, source.digest, start, end, deadline=deadline),
+            lambda start, end, deadline, sink: client.stream_range(
+                ref, source.digest, start, end, sink, deadline=deadline
+            ),
             fs.fetch_deadline_s,
         )
 

@@ -64,12 +64,12 @@ class FsConfig:
     # crash or a restart and running containers keep their files.
     holder_socket: Path = Path("/run/bootseer/layer-server.fuse")
     # A miss in a layer no hot-block manifest covers also fetches this many
-    # blocks after it, whatever files they hold, in a Range request of its
-    # own beside the miss's: a tar keeps a package's files together, and of
-    # the blocks after each miss of the benchmark image's first start 78%
-    # were read by it later. 4, not 2 or 6: side by side, the lazy start
-    # was fastest with 4 on both benchmark links (docs/benchmarks.md).
-    # 0: only what is read.
+    # blocks after it, whatever files they hold, in the miss's own Range
+    # request (its block first, landing first): a tar keeps a package's
+    # files together, and of the blocks after each miss of the benchmark
+    # image's first start 78% were read by it later. 4, not 2 or 6: side
+    # by side, the lazy start was fastest with 4 on both benchmark links
+    # (docs/benchmarks.md). 0: only what is read.
     blocks_after_miss: int = 4
     # Layers at most this big (compressed) are fetched whole as soon as they
     # are served, with the prefetch slots: a few Range requests instead of a

@@ -312,16 +312,30 @@ class RegistryClient:
         DeadlineExceeded is raised: each try waits at most the time left, and
         no try starts past it. A socket read under way then can outlast it
         by at most the time that was left when its request was sent."""
+        buffer = bytearray()
+        self.stream_range(ref, digest, start, end, buffer.extend, deadline=deadline)
+        return bytes(buffer)
+
+    def stream_range(
+        self,
+        ref: Reference,
+        digest: str,
+        start: int,
+        end: int,
+        sink: Callable[[bytes], None],
+        *,
+        deadline: float | None = None,
+    ) -> None:
+        """fetch_range, its bytes handed to `sink` as they arrive: in order,
+        each once, end - start of them in all unless an exception ends it."""
         media.check_digest(digest)
         if not 0 <= start < end:
             raise ValueError(f"bad range [{start}, {end})")
-        buffer = bytearray()
-        body = BlobBody(ref, digest, buffer.extend, start, end, deadline)
+        body = BlobBody(ref, digest, sink, start, end, deadline)
         # A mirror that fails mid-range hands over to the next endpoint, which
-        # continues from what `buffer` already holds; one that ignored Range
-        # for this blob is not asked for a while.
+        # continues from what `sink` already has; one that ignored Range for
+        # this blob is not asked for a while.
         self.transport.over_endpoints(ref, "pull", partial(resumable.read, self.transport, body), ranges_of=digest)
-        return bytes(buffer)
 
     def push_blob(
         self, ref: Reference, data: bytes, digest: str | None = None, media_type: str = "application/octet-stream"

@@ -53,7 +53,7 @@ class StallingRegistry:
     @property
     def fetch(self) -> BoundedFetcher:
         """What the layer server is given for the layer (as mount_layers takes it)."""
-        return BoundedFetcher(self.fetch_by, DEADLINE_S)
+        return BoundedFetcher(lambda start, end, deadline, sink: sink(self.fetch_by(start, end, deadline)), DEADLINE_S)
 
     def recover(self) -> None:
         self.stalled = False
@@ -163,3 +163,44 @@ def test_the_deadline_spans_the_verify_attempts(stalling: tuple[LayerReader, Sta
         trio.run(reader.read, block.ustart, block.uend)
     first, second = registry.calls
     assert first == second  # the same range, by the same deadline
+
+
+def test_a_block_is_served_while_the_rest_of_its_request_is_held_back(tmp_path: Path) -> None:
+    """A miss's Range request carries the blocks after it too; the read gets
+    its block once that block's bytes are in, not once the whole response
+    is, and the blocks after it land when theirs come."""
+    data = random.Random(31).randbytes(2 << 20)
+    blob = _tar({"big": data})
+    release = threading.Event()
+    calls: list[tuple[int, int]] = []
+
+    def stream(start: int, end: int, _deadline: float, sink: Callable[[bytes], None]) -> None:
+        calls.append((start, end))
+        first = next(b for b in reader.index.blocks if b.cstart == start)
+        sink(blob[start : first.cend])
+        release.wait(10)
+        sink(blob[first.cend : end])
+
+    reader = make_reader(tmp_path, blob, BoundedFetcher(stream, DEADLINE_S * 10), SPAN)
+    reader.blocks_after_miss = 3
+    raw = gzip.decompress(blob)
+    blocks = reader.index.blocks
+
+    async def main() -> None:
+        block = blocks[1]
+        assert await reader.read(block.ustart, block.uend) == raw[block.ustart : block.uend]
+        assert not release.is_set()
+        assert calls == [(blocks[1].cstart, blocks[4].cend)]
+        assert reader.cached == {1}
+        release.set()
+        with trio.fail_after(10):
+            while reader.cached != {1, 2, 3, 4}:
+                await trio.sleep(0.01)
+        assert len(calls) == 1
+
+    try:
+        trio.run(main)
+    finally:
+        release.set()
+        reader.close()
+        reader.block_index.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from snapshotter.layer.blockmath import InOrderReadAhead, fetch_runs, split_run
+from snapshotter.layer.blockmath import InOrderReadAhead, RunArrival, fetch_runs
 from snapshotter.layer.build import COARSE_SPANS, UnsupportedLayer, build_index, coarsen
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import (
@@ -92,9 +92,16 @@ def test_block_range_and_fetch_runs() -> None:
     # The caller's order stands: a manifest's first-access order is kept.
     assert fetch_runs([5, 1, 2, 3, 8, 7], blocks) == [[5], [1, 2, 3], [8], [7]]
     assert fetch_runs([1, 2, 3], blocks, max_bytes=25) == [[1, 2], [3]]
+    # A run's blocks are handed out as its response arrives, each once it
+    # is whole: block 1 ends a byte into block 2 (they share it).
     data = bytes(range(41))
-    parts = split_run([1, 2, 3], blocks, memoryview(data[: blocks[3].cend - blocks[1].cstart]))
-    assert parts[2] == data[10:21] and len(parts[1]) == len(parts[3]) == 11
+    arrival = RunArrival([1, 2, 3], blocks, memoryview(data[blocks[1].cstart : blocks[3].cend]))
+    assert arrival.ends == [11, 21, 31]
+    assert arrival.whole(10) == {}
+    assert list(arrival.whole(20)) == [1]
+    parts = arrival.whole(31)
+    assert list(parts) == [2, 3] and parts[2] == data[20:31] and parts[3] == data[30:41]
+    assert arrival.whole(31) == {}
 
 
 def test_format_refuses_bad_input(tmp_path: Path) -> None:
