@@ -109,6 +109,8 @@ class LazyConfig:
 level = "debug"
 format = "console"
 
+[events]
+{events}
 [snapshotter]
 pull_address = "{self.pull_socket}"
 
@@ -127,8 +129,6 @@ background_fetch = {str(self.background_fetch).lower()}
 unpack_whole_layers = {str(self.unpack_whole_layers).lower()}
 hot_blocks_publish = "{self.hot_blocks_publish}"
 
-[events]
-{events}
 [registry]
 config_path = "{self.certs_dir}"
 docker_config = "{self.docker_config}"

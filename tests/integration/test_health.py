@@ -45,11 +45,17 @@ integration = pytest.mark.integration
 
 
 def healthz(port: int) -> tuple[int, str]:
+    """The endpoint's status and body; (0, why) while nothing listens yet (a
+    daemon answers its socket before its HTTP endpoint is up)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as reply:
             return reply.status, reply.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ConnectionRefusedError):
+            return 0, str(exc.reason)
+        raise
 
 
 def metrics(port: int) -> str:
