@@ -666,22 +666,25 @@ class LayerReader:
         async with trio.open_nursery() as nursery:
 
             def arrived(received: int) -> None:
-                # In the event loop, from the fetch thread (which must not
-                # raise here). What a fetch the deadline made us leave goes
-                # on delivering lands nowhere.
+                # In the event loop, from the fetch thread: it must not raise
+                # (a callback that does ends the loop), so nothing starts in
+                # the nursery once this run is over. What a fetch the
+                # deadline made us leave goes on delivering lands nowhere.
                 if live:
                     for n, compressed in arrival.whole(received).items():
                         nursery.start_soon(store, n, compressed)
 
             sink = _RunSink(buffer, arrival.ends, arrived)
             try:
-                await self._fetch_range(start, end, origin, deadline, sink)
-            except Exception as exc:
-                fetch_error = exc
-            # Every block that arrived whole lands, whether or not the rest
-            # came (what the thread announced may not have run yet).
-            arrived(sink.received)
-            live = False
+                try:
+                    await self._fetch_range(start, end, origin, deadline, sink)
+                except Exception as exc:
+                    fetch_error = exc
+                # Every block that arrived whole lands, whether or not the
+                # rest came (what the thread announced may not have run yet).
+                arrived(sink.received)
+            finally:
+                live = False
         metrics.FETCHED_BYTES.inc(sink.received)
         if self.on_fetched is not None:
             self.on_fetched(self.index.layer_digest, sink.received, image, False)
