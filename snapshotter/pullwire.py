@@ -14,8 +14,8 @@ one request; the daemon answers with `layer`, `fetched` and `layer_done`
 events (for progress bars) and ends with one `done` (the result) or
 `error` (a message for the user; `refused` when the daemon did not take
 the request at all, e.g. a daemon older than the command that does not
-know one of its fields: the command then pulls itself). Standard library only: the CLI imports
-this and nothing heavier on its way to the daemon.
+know one of its fields: the command then pulls itself). Standard library
+only: the CLI imports this and nothing heavier on its way to the daemon.
 """
 
 from __future__ import annotations

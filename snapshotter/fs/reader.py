@@ -129,9 +129,10 @@ class _RunSink:
             raise BlockVerificationError(f"the range answered more than its {len(self.buffer)} bytes")
         self.buffer[self.received : self.received + size] = chunk
         self.received += size
-        if self._next < len(self.ends) and self.received >= self.ends[self._next]:
-            while self._next < len(self.ends) and self.received >= self.ends[self._next]:
-                self._next += 1
+        passed = self._next
+        while self._next < len(self.ends) and self.received >= self.ends[self._next]:
+            self._next += 1
+        if self._next != passed:
             self._loop.run_sync_soon(self.arrived, self.received)
 
 
