@@ -306,18 +306,23 @@ def run_container(c: Containerd, snapshotter: str, ref: str, container_id: str) 
 
 
 _FUSE_REQUESTS = re.compile(r'^bootseer_fs_fuse_requests_total\{opcode="(\w+)"\} (\S+)$', re.MULTILINE)
+_FUSE_ANSWERED_NOW = re.compile(r'^bootseer_fs_fuse_requests_answered_now_total\{opcode="\w+"\} (\S+)$', re.MULTILINE)
 
 
 def _layer_server_metrics(node: AnyNode) -> dict[str, float]:
     """LAYER_SERVER_METRICS, and the FUSE requests the kernel sent by opcode
-    (`fuse_requests.<opcode>`, with their sum as `fuse_requests`): what a
-    warm start through the layer mount costs besides the reads' bytes."""
+    (`fuse_requests.<opcode>`, with their sum as `fuse_requests`, and as
+    `fuse_answered_now` those answered in the session's read loop, without
+    a task): what a warm start through the layer mount costs besides the
+    reads' bytes."""
     if not isinstance(node, Node):
         return {}
     values = {name: node.layers.metric(name) for name in LAYER_SERVER_METRICS}
     scrape = urllib.request.urlopen(f"http://127.0.0.1:{node.layers.config.metrics_port}/metrics", timeout=10)
-    requests = {f"fuse_requests.{op}": float(n) for op, n in _FUSE_REQUESTS.findall(scrape.read().decode())}
-    return {**values, **requests, "fuse_requests": sum(requests.values())}
+    text = scrape.read().decode()
+    requests = {f"fuse_requests.{op}": float(n) for op, n in _FUSE_REQUESTS.findall(text)}
+    now = sum(float(n) for n in _FUSE_ANSWERED_NOW.findall(text))
+    return {**values, **requests, "fuse_requests": sum(requests.values()), "fuse_answered_now": now}
 
 
 def _node_for(setup: Setup, mode: Mode) -> AnyNode:

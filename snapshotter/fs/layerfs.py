@@ -39,6 +39,11 @@ names are messages), its listing kept only while the store's mtime stays.
 The kernel does not keep xattrs: overlayfs's probes (trusted.overlay.*,
 one per lower file and directory it finds) reach us, answered from the tree.
 
+A request on a loaded layer that needs no waiting (lookup, getattr,
+readlink, getxattr, listxattr) is answered in the session's read loop by
+the op's `*_now` method; the root, an unloaded layer and every other op go
+to the async methods as tasks.
+
 Every request is timed (bootseer_fs_op_seconds{op}) in the same wrapper,
 and counted by opcode in the engine (bootseer_fs_fuse_requests_total).
 statfs answers the layer store's filesystem: what kubelet sees of the image
@@ -214,6 +219,31 @@ def _guarded(
     return handler
 
 
+def _guarded_now(
+    op: Callable[Concatenate[LayerFS, _P], _R],
+) -> Callable[Concatenate[LayerFS, _P], _R]:
+    """_guarded for a `*_now` method, counted and timed as its async op
+    (`lookup_now` as `lookup`). NotNow passes untimed: the async op that
+    answers the request times it."""
+    name = op.__name__.removesuffix("_now")
+    times = metrics.OP_SECONDS.labels(name)
+
+    def handler(self: LayerFS, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        began = self.last_request_ns = _clock_ns()
+        try:
+            result = op(self, *args, **kwargs)
+        except (fuse.FUSEError, fuse.NotNow):
+            raise
+        except Exception as exc:
+            self._request_failed(name, args, exc)
+            raise fuse.FUSEError(errno.EIO) from None
+        times.observe_ns(_clock_ns() - began)
+        return result
+
+    functools.update_wrapper(handler, op)
+    return handler
+
+
 def _guarded_forget(
     op: Callable[[LayerFS, Sequence[tuple[int, int]]], Coroutine[Any, Any, None]],
 ) -> Callable[[LayerFS, Sequence[tuple[int, int]]], Coroutine[Any, Any, None]]:
@@ -232,6 +262,23 @@ def _guarded_forget(
 
     functools.update_wrapper(handler, op)
     return handler
+
+
+def _target(node: Node) -> bytes:
+    if not stat.S_ISLNK(node.mode):
+        raise fuse.FUSEError(errno.EINVAL)
+    return node.target
+
+
+def _xattr(node: Node, name: bytes) -> bytes:
+    value = node.xattrs.get(os.fsdecode(name))
+    if value is None:
+        raise fuse.FUSEError(errno.ENODATA)
+    return value
+
+
+def _xattr_names(node: Node) -> list[bytes]:
+    return [os.fsencode(k) for k in node.xattrs]
 
 
 def _reply_dots(
@@ -571,10 +618,15 @@ class LayerFS(fuse.Operations):
         return layer
 
     async def _resolve(self, inode: int) -> tuple[_Layer, Node]:
-        slot = inode >> SLOT_SHIFT
-        layer = self.layers_by_slot.get(slot)
+        if inode >> SLOT_SHIFT not in self.layers_by_slot:
+            await self._reload(inode >> SLOT_SHIFT)
+        return self._resolve_now(inode)
+
+    def _resolve_now(self, inode: int) -> tuple[_Layer, Node]:
+        """_resolve of a loaded layer's inode; NotNow if its layer must be loaded first."""
+        layer = self.layers_by_slot.get(inode >> SLOT_SHIFT)
         if layer is None:
-            layer = await self._reload(slot)
+            raise fuse.NotNow
         node = layer.tree.nodes.get(inode & ((1 << SLOT_SHIFT) - 1))
         if node is None:
             raise fuse.FUSEError(errno.ENOENT)
@@ -583,7 +635,7 @@ class LayerFS(fuse.Operations):
         layer.touched = True
         return layer, node
 
-    async def _reload(self, slot: int) -> _Layer:
+    async def _reload(self, slot: int) -> None:
         """The copy in `slot`, unloaded while the kernel kept its inode
         numbers: loaded again into the same slot. ENOENT if the store no
         longer holds that copy (pruned, or replaced by another)."""
@@ -594,7 +646,6 @@ class LayerFS(fuse.Operations):
         if layer is None or layer.slot != slot:
             raise fuse.FUSEError(errno.ENOENT)
         log.debug("layer reloaded for a request on its inodes", layer=layer.name, slot=slot)
-        return layer
 
     # -- sweeps: pruned layers, idle layers, the cache cap -------------------
 
@@ -750,6 +801,13 @@ class LayerFS(fuse.Operations):
         layer, node = await self._resolve(inode)
         return entry_attributes(layer.slot, node)
 
+    @_guarded_now
+    def getattr_now(self, inode: int, ctx: fuse.RequestContext | None = None) -> fuse.EntryAttributes:
+        if inode == fuse.ROOT_INODE:
+            raise fuse.NotNow
+        layer, node = self._resolve_now(inode)
+        return entry_attributes(layer.slot, node)
+
     @_guarded
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: fuse.RequestContext | None = None
@@ -779,7 +837,18 @@ class LayerFS(fuse.Operations):
             if layer is None:
                 raise fuse.FUSEError(errno.ENOENT)
             return layer.root_attr
-        layer, node = await self._resolve(parent_inode)
+        return self._lookup_in(*await self._resolve(parent_inode), name)
+
+    @_guarded_now
+    def lookup_now(
+        self, parent_inode: int, name: bytes, ctx: fuse.RequestContext | None = None
+    ) -> fuse.EntryAttributes:
+        if parent_inode == fuse.ROOT_INODE:
+            raise fuse.NotNow
+        return self._lookup_in(*self._resolve_now(parent_inode), name)
+
+    @staticmethod
+    def _lookup_in(layer: _Layer, node: Node, name: bytes) -> fuse.EntryAttributes:
         if name == b".":
             return entry_attributes(layer.slot, node)
         child = layer.tree.lookup(node.ino, name)
@@ -842,10 +911,11 @@ class LayerFS(fuse.Operations):
 
     @_guarded
     async def readlink(self, inode: int, ctx: fuse.RequestContext) -> bytes:
-        _, node = await self._resolve(inode)
-        if not stat.S_ISLNK(node.mode):
-            raise fuse.FUSEError(errno.EINVAL)
-        return node.target
+        return _target((await self._resolve(inode))[1])
+
+    @_guarded_now
+    def readlink_now(self, inode: int, ctx: fuse.RequestContext) -> bytes:
+        return _target(self._resolve_now(inode)[1])
 
     @_guarded
     async def open(self, inode: int, flags: int, ctx: fuse.RequestContext) -> fuse.FileInfo:
@@ -873,18 +943,25 @@ class LayerFS(fuse.Operations):
     async def getxattr(self, inode: int, name: bytes, ctx: fuse.RequestContext) -> bytes:
         if inode == fuse.ROOT_INODE:
             raise fuse.FUSEError(errno.ENODATA)
-        _, node = await self._resolve(inode)
-        value = node.xattrs.get(os.fsdecode(name))
-        if value is None:
+        return _xattr((await self._resolve(inode))[1], name)
+
+    @_guarded_now
+    def getxattr_now(self, inode: int, name: bytes, ctx: fuse.RequestContext) -> bytes:
+        if inode == fuse.ROOT_INODE:
             raise fuse.FUSEError(errno.ENODATA)
-        return value
+        return _xattr(self._resolve_now(inode)[1], name)
 
     @_guarded
     async def listxattr(self, inode: int, ctx: fuse.RequestContext) -> list[bytes]:
         if inode == fuse.ROOT_INODE:
             return []
-        _, node = await self._resolve(inode)
-        return [os.fsencode(k) for k in node.xattrs]
+        return _xattr_names((await self._resolve(inode))[1])
+
+    @_guarded_now
+    def listxattr_now(self, inode: int, ctx: fuse.RequestContext) -> list[bytes]:
+        if inode == fuse.ROOT_INODE:
+            return []
+        return _xattr_names(self._resolve_now(inode)[1])
 
     @_guarded
     async def statfs(self, ctx: fuse.RequestContext) -> fuse.StatvfsData:

@@ -158,20 +158,31 @@ class FuseRequests(Collector):
     request the kernel sent, answered by a handler or not (ENOSYS, forget,
     interrupt), which the op histogram does not see."""
 
-    name = "bootseer_fs_fuse_requests"
-    documentation = "FUSE requests read from the kernel, by opcode: what the kernel did not answer from its caches."
+    families = (
+        (
+            "bootseer_fs_fuse_requests",
+            "FUSE requests read from the kernel, by opcode: what the kernel did not answer from its caches.",
+            session.REQUESTS,
+        ),
+        (
+            "bootseer_fs_fuse_requests_answered_now",
+            "Of those, the ones answered in the session's read loop, without a task (the filesystem's *_now methods).",
+            session.ANSWERED_NOW,
+        ),
+    )
 
     def __init__(self) -> None:
         REGISTRY.register(self)
 
     def describe(self) -> Iterable[Metric]:
-        return [CounterMetricFamily(self.name, self.documentation, labels=["opcode"])]
+        return [CounterMetricFamily(name, doc, labels=["opcode"]) for name, doc, _ in self.families]
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self.name, self.documentation, labels=["opcode"])
-        for opcode, count in sorted(session.requests_by_opcode().items()):
-            family.add_metric([opcode], float(count))
-        yield family
+        for name, doc, counts in self.families:
+            family = CounterMetricFamily(name, doc, labels=["opcode"])
+            for opcode, count in sorted(session.requests_by_opcode(counts).items()):
+                family.add_metric([opcode], float(count))
+            yield family
 
 
 FUSE_REQUESTS = FuseRequests()

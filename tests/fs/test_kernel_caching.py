@@ -6,6 +6,7 @@ bootseer_fs_fuse_requests_total, over a real mount."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -34,6 +35,15 @@ def _since(before: dict[str, float]) -> dict[str, float]:
     """Requests by opcode since `before`, only those that came."""
     now = _requests()
     return {op: now[op] - before[op] for op in OPCODES if now[op] != before[op]}
+
+
+def _answered_now(before: dict[str, float] | None = None) -> dict[str, float]:
+    """Requests by opcode answered in the session's read loop (a `*_now`
+    method, no task); since `before`, only those that came."""
+    now = {op: metric("bootseer_fs_fuse_requests_answered_now_total", opcode=op) for op in (*OPCODES, "getxattr")}
+    if before is None:
+        return now
+    return {op: now[op] - before[op] for op in now if now[op] != before[op]}
 
 
 def _exists(directory: int, name: str) -> bool:
@@ -255,3 +265,38 @@ def test_what_the_kernel_keeps_survives_an_unload_and_never_names_another_layer(
         os.stat(m.layer(second) / "etc").st_ino >> SLOT_SHIFT,
     )
     assert not (m.layer(first) / "etc/only-second").exists()
+
+
+def test_a_loaded_layer_answers_in_the_read_loop_and_an_unloaded_one_loads_first(
+    mount_layers: Callable[..., Mounted], opened: Callable[[Path], int], tmp_path: Path
+) -> None:
+    store = LayerStore(tmp_path / "store")
+    digest, blob = _layer(store, tmp_path, {"etc/a": b"a\n", "etc/b": b"b\n"})
+    m = mount_layers({digest: blob}, store.root)
+    etc = opened(m.layer(digest) / "etc")
+    a = f"/proc/self/fd/{etc}/a"
+
+    # overlayfs's probes of a lower file: a lookup, then an xattr it lacks.
+    now, before = _answered_now(), _requests()
+    assert _exists(etc, "a")
+    with pytest.raises(OSError) as exc:
+        os.getxattr(a, "trusted.overlay.metacopy")
+    assert exc.value.errno == errno.ENODATA
+    assert _since(before) == {"lookup": 1}
+    assert _answered_now(now) == {"lookup": 1, "getxattr": 1}
+
+    # Unloaded: the same requests go to a task, which loads the layer again
+    # and answers the same; the next ones are answered in the loop again.
+    m.sweep(unload_idle_s=1e-6)
+    m.sweep(unload_idle_s=1e-6)
+    assert not m.ops.layers_by_slot
+    now, before = _answered_now(), _requests()
+    assert _exists(etc, "b")
+    assert _since(before) == {"lookup": 1}
+    assert _answered_now(now) == {}
+    assert m.ops.layers_by_slot
+    with pytest.raises(OSError) as exc:
+        os.getxattr(a, "trusted.overlay.metacopy")
+    assert exc.value.errno == errno.ENODATA
+    assert _answered_now(now) == {"getxattr": 1}
+    assert (m.layer(digest) / "etc/b").read_bytes() == b"b\n"

@@ -4,7 +4,8 @@ mount's connection can outlive the process serving it (docs/fuse-failover.md).
 This package's top level is the pyfuse3-compatible facade: a filesystem
 written against pyfuse3 (Operations, FUSEError, EntryAttributes, FileInfo,
 StatvfsData, readdir_reply, ROOT_INODE, RequestContext, ReaddirToken)
-switches by importing these names from here. The engine is
+switches by importing these names from here; NotNow and the `*_now`
+methods of Operations are fusewire's own. The engine is
 `fusewire.session.Session`; mounting is `fusewire.mount`; where the
 descriptor comes from and goes to is `fusewire.connection` (with
 `fusewire.handoff` and the `fusewire.holder` process).
@@ -15,6 +16,7 @@ from snapshotter.fs.fusewire.api import (
     EntryAttributes,
     FileInfo,
     FUSEError,
+    NotNow,
     Operations,
     ReaddirToken,
     RequestContext,
@@ -27,6 +29,7 @@ __all__ = [
     "EntryAttributes",
     "FUSEError",
     "FileInfo",
+    "NotNow",
     "Operations",
     "ReaddirToken",
     "RequestContext",

@@ -19,6 +19,12 @@ Differences that matter (docs/fuse-failover.md has the protocol subset):
   AUTO_INVAL_DATA asks) and `readdir` gets the inode as `fh`.
 - `lookup` may return attributes with st_ino 0: a negative entry the
   kernel keeps for entry_timeout (as pyfuse3 allows).
+- Beyond pyfuse3: `lookup_now`, `getattr_now`, `readlink_now`,
+  `getxattr_now` and `listxattr_now` answer a request at once, in the
+  session's read loop, when nothing needs waiting for; or raise NotNow, and
+  the request goes to the async method as a task. Most requests of a start
+  are such lookups and xattr probes (overlayfs asks one per lower file),
+  and a task costs each of them a pass of the event loop.
 """
 
 from __future__ import annotations
@@ -47,6 +53,11 @@ class FUSEError(Exception):
 
     def __str__(self) -> str:
         return os.strerror(self.errno)
+
+
+class NotNow(Exception):
+    """Raised by a `*_now` method: answering needs waiting (a layer to
+    load, a thread); the session runs the async method as a task instead."""
 
 
 _U32 = (0, (1 << 32) - 1)
@@ -177,6 +188,21 @@ class Operations:
 
     async def lookup(self, parent_inode: int, name: bytes, ctx: RequestContext) -> EntryAttributes:
         raise FUSEError(errnos.ENOSYS)
+
+    def lookup_now(self, parent_inode: int, name: bytes, ctx: RequestContext) -> EntryAttributes:
+        raise NotNow
+
+    def getattr_now(self, inode: int, ctx: RequestContext) -> EntryAttributes:
+        raise NotNow
+
+    def readlink_now(self, inode: int, ctx: RequestContext) -> bytes:
+        raise NotNow
+
+    def getxattr_now(self, inode: int, name: bytes, ctx: RequestContext) -> bytes:
+        raise NotNow
+
+    def listxattr_now(self, inode: int, ctx: RequestContext) -> Sequence[bytes]:
+        raise NotNow
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         return None

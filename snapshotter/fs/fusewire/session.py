@@ -1,6 +1,7 @@
 """A FUSE session on a /dev/fuse descriptor: one loop reads requests, each
 request is handled in its own trio task, each reply goes out in one
-writev.
+writev. A request the filesystem can answer at once (Operations'
+`*_now` methods) is answered in the loop itself, without a task.
 
 The session can begin on a new connection (the kernel sends INIT first) or
 on one another process already initialised (takeover: no INIT comes; we
@@ -32,6 +33,7 @@ from snapshotter.fs.fusewire import protocol
 from snapshotter.fs.fusewire.api import (
     EntryAttributes,
     FUSEError,
+    NotNow,
     Operations,
     ReaddirToken,
     RequestContext,
@@ -49,12 +51,15 @@ PAGE = 4096
 # the layer server has one session, and sessions in threads of one process
 # (tests) may at worst lose a count to each other.
 REQUESTS: dict[int, int] = {}
+# Of those, the ones answered in the read loop by a `*_now` method, likewise.
+ANSWERED_NOW: dict[int, int] = {}
 
 
-def requests_by_opcode() -> dict[str, int]:
-    """REQUESTS by opcode name, lower case ("lookup", "batch_forget"). From
-    any thread: the copy is taken in one step, while the loop may add a key."""
-    return {_opname(op).lower(): n for op, n in list(REQUESTS.items())}
+def requests_by_opcode(counts: dict[int, int] = REQUESTS) -> dict[str, int]:
+    """REQUESTS (or ANSWERED_NOW) by opcode name, lower case ("lookup",
+    "batch_forget"). From any thread: the copy is taken in one step, while
+    the loop may add a key."""
+    return {_opname(op).lower(): n for op, n in list(counts.items())}
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,7 @@ class Outcome(Enum):
 
 
 _Handler = Callable[[InHeader, memoryview, RequestContext], Awaitable[Sequence[bytes]]]
+_NowHandler = Callable[[InHeader, memoryview, RequestContext], Sequence[bytes]]
 
 
 def _entry_out(attr: EntryAttributes) -> bytes:
@@ -178,6 +184,10 @@ def _sized(value: bytes, size: int) -> Sequence[bytes]:
     return [value]
 
 
+def _names(names: Sequence[bytes], size: int) -> Sequence[bytes]:
+    return _sized(b"".join(name + b"\0" for name in names), size)
+
+
 class Session:
     def __init__(self, ops: Operations, fd: int, config: SessionConfig | None = None) -> None:
         self.ops = ops
@@ -207,6 +217,13 @@ class Session:
             Opcode.GETXATTR: self._getxattr,
             Opcode.LISTXATTR: self._listxattr,
             Opcode.ACCESS: self._access,
+        }
+        self._now: dict[int, _NowHandler] = {
+            Opcode.LOOKUP: self._lookup_now,
+            Opcode.GETATTR: self._getattr_now,
+            Opcode.READLINK: self._readlink_now,
+            Opcode.GETXATTR: self._getxattr_now,
+            Opcode.LISTXATTR: self._listxattr_now,
         }
 
     # -- the loop -------------------------------------------------------------
@@ -354,26 +371,44 @@ class Session:
                 self._reply_error(header.unique, code)
             else:
                 ctx = RequestContext(header.uid, header.gid, header.pid, 0)
-                nursery.start_soon(self._run, handler, header, body, ctx)
+                now = self._now.get(op)
+                if now is None or not self._answered_now(now, header, body, ctx):
+                    nursery.start_soon(self._run, handler, header, body, ctx)
+        return True
+
+    def _answered_now(self, now: _NowHandler, header: InHeader, body: memoryview, ctx: RequestContext) -> bool:
+        try:
+            payload = now(header, body, ctx)
+        except NotNow:
+            return False
+        except Exception as exc:
+            self._failed(header, exc)
+        else:
+            self._reply(header.unique, payload)
+        ANSWERED_NOW[header.opcode] = ANSWERED_NOW.get(header.opcode, 0) + 1
         return True
 
     async def _run(self, handler: _Handler, header: InHeader, body: memoryview, ctx: RequestContext) -> None:
         try:
             payload = await handler(header, body, ctx)
-        except FUSEError as exc:
-            self._reply_error(header.unique, exc.errno)
         except Exception as exc:
-            self.stats.failed += 1
-            log.error(
-                "FUSE request failed; answering EIO",
-                op=_opname(header.opcode),
-                nodeid=header.nodeid,
-                error=repr(exc),
-                exc_info=exc,
-            )
-            self._reply_error(header.unique, errno.EIO)
+            self._failed(header, exc)
         else:
             self._reply(header.unique, payload)
+
+    def _failed(self, header: InHeader, exc: Exception) -> None:
+        if isinstance(exc, FUSEError):
+            self._reply_error(header.unique, exc.errno)
+            return
+        self.stats.failed += 1
+        log.error(
+            "FUSE request failed; answering EIO",
+            op=_opname(header.opcode),
+            nodeid=header.nodeid,
+            error=repr(exc),
+            exc_info=exc,
+        )
+        self._reply_error(header.unique, errno.EIO)
 
     async def _forget(self, items: Sequence[tuple[int, int]]) -> None:
         try:
@@ -483,6 +518,15 @@ class Session:
     async def _readlink(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
         return [await self.ops.readlink(h.nodeid, ctx)]
 
+    def _lookup_now(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
+        return [_entry_out(self.ops.lookup_now(h.nodeid, protocol.c_string(body), ctx))]
+
+    def _getattr_now(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
+        return [_attr_out(self.ops.getattr_now(h.nodeid, ctx))]
+
+    def _readlink_now(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
+        return [self.ops.readlink_now(h.nodeid, ctx)]
+
     async def _open(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
         flags, _ = protocol.OPEN_IN.unpack_from(body)
         info = await self.ops.open(h.nodeid, flags, ctx)
@@ -536,8 +580,16 @@ class Session:
 
     async def _listxattr(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
         size, _ = protocol.GETXATTR_IN.unpack_from(body)
-        names = await self.ops.listxattr(h.nodeid, ctx)
-        return _sized(b"".join(name + b"\0" for name in names), size)
+        return _names(await self.ops.listxattr(h.nodeid, ctx), size)
+
+    def _getxattr_now(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
+        size, _ = protocol.GETXATTR_IN.unpack_from(body)
+        name = protocol.c_string(body, protocol.GETXATTR_IN.size)
+        return _sized(self.ops.getxattr_now(h.nodeid, name, ctx), size)
+
+    def _listxattr_now(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
+        size, _ = protocol.GETXATTR_IN.unpack_from(body)
+        return _names(self.ops.listxattr_now(h.nodeid, ctx), size)
 
     async def _access(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
         mask, _ = protocol.ACCESS_IN.unpack_from(body)
