@@ -40,9 +40,10 @@ The kernel does not keep xattrs: overlayfs's probes (trusted.overlay.*,
 one per lower file and directory it finds) reach us, answered from the tree.
 
 A request on a loaded layer that needs no waiting (lookup, getattr,
-readlink, getxattr, listxattr) is answered in the session's read loop by
-the op's `*_now` method; the root, an unloaded layer and every other op go
-to the async methods as tasks.
+readlink, getxattr, listxattr, and a read of cached blocks whose bytes are
+in the page cache) is answered in the session's read loop by the op's
+`*_now` method; the root, an unloaded layer, a read that must fetch or
+touch the disk and every other op go to the async methods as tasks.
 
 Every request is timed (bootseer_fs_op_seconds{op}) in the same wrapper,
 and counted by opcode in the engine (bootseer_fs_fuse_requests_total).
@@ -936,6 +937,17 @@ class LayerFS(fuse.Operations):
             return await layer.reader.read(node.offset + off, node.offset + off + length, node.offset + node.size)
         except BlockUnavailable:
             raise fuse.FUSEError(errno.EIO) from None
+
+    @_guarded_now
+    def read_now(self, fh: int, off: int, size: int) -> bytes:
+        layer, node = self._resolve_now(fh)
+        if off >= node.size:
+            return b""
+        length = min(size, node.size - off)
+        data = layer.reader.read_now(node.offset + off, node.offset + off + length)
+        if data is None:
+            raise fuse.NotNow
+        return data
 
     # -- xattrs and statfs --------------------------------------------------
 

@@ -247,6 +247,30 @@ class LayerReader:
         with self.holding(numbers):
             return await self._read(start, end, numbers, file_end)
 
+    def read_now(self, start: int, end: int) -> bytes | None:
+        """read() without waiting, or None (before counting anything) where
+        it would wait or start a fetch: a block not cached, not checked since
+        the server started, or marking where read-ahead goes on; or bytes
+        not in the page cache."""
+        end = min(end, self.index.uncompressed_size)
+        if end <= start:
+            return b""
+        if self.closed:
+            return None
+        numbers = self.index.block_range(start, end)
+        for n in numbers:
+            if n not in self.cached or n in self.unverified or n in self.readahead_marks:
+                return None
+        buffer = bytearray(end - start)
+        if self._pread_nowait(buffer, start) < len(buffer):
+            return None
+        self.touched = True
+        for n in numbers:
+            self._account(n)
+        self.readahead.observe(numbers.start, numbers.stop - 1)
+        metrics.READ_BYTES.inc(len(buffer))
+        return bytes(buffer)
+
     @contextlib.contextmanager
     def holding(self, numbers: range) -> Iterator[None]:
         """Blocks `numbers` stay cached (never evicted) and the reader open
@@ -352,22 +376,27 @@ class LayerReader:
         """Cached bytes: straight from the page cache when they are there,
         which spares the event loop a thread hop; from disk in a thread."""
         buffer = bytearray(end - start)
-        got = 0
-        if self.nowait:
-            try:
-                got = os.preadv(self.fd, [buffer], start, os.RWF_NOWAIT)
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                if exc.errno != errno.EOPNOTSUPP:
-                    raise
-                self.nowait = False
-                log.info("the layer store refuses RWF_NOWAIT; cached reads go through a thread", layer=self.name)
+        got = self._pread_nowait(buffer, start)
         if got < len(buffer):
             rest = await trio.to_thread.run_sync(os.pread, self.fd, len(buffer) - got, start + got)
             buffer[got : got + len(rest)] = rest
             del buffer[got + len(rest) :]
         return bytes(buffer)
+
+    def _pread_nowait(self, buffer: bytearray, start: int) -> int:
+        """How many bytes from `start` the page cache gave `buffer`."""
+        if not self.nowait:
+            return 0
+        try:
+            return os.preadv(self.fd, [buffer], start, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            if exc.errno != errno.EOPNOTSUPP:
+                raise
+            self.nowait = False
+            log.info("the layer store refuses RWF_NOWAIT; cached reads go through a thread", layer=self.name)
+            return 0
 
     def _verify(self, n: int) -> None:
         # In the event loop, not a thread: a concurrent read of the same block

@@ -300,3 +300,34 @@ def test_a_loaded_layer_answers_in_the_read_loop_and_an_unloaded_one_loads_first
     assert exc.value.errno == errno.ENODATA
     assert _answered_now(now) == {"getxattr": 1}
     assert (m.layer(digest) / "etc/b").read_bytes() == b"b\n"
+
+
+def test_a_read_of_cached_bytes_in_the_page_cache_is_answered_in_the_read_loop(
+    mount_layers: Callable[..., Mounted], tmp_path: Path
+) -> None:
+    store = LayerStore(tmp_path / "store")
+    data = os.urandom(3 * SPAN)
+    digest, blob = _layer(store, tmp_path, {"data.bin": data})
+    m = mount_layers({digest: blob}, store.root)
+    path = m.layer(digest) / "data.bin"
+
+    # Fetched: tasks wait for the registry.
+    now, before = _answered_now(), _requests()
+    assert path.read_bytes() == data
+    assert _since(before)["read"] >= 1
+    assert "read" not in _answered_now(now)
+
+    # Cached, and in the page cache (read here just before, so that no
+    # reclaim of idle pages can take them in between): answered at once.
+    # Only the layer mount's own pages are dropped, so that the reads reach it.
+    store.cache_path(digest.split(":")[1]).read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        now, before = _answered_now(), _requests()
+        assert os.pread(fd, len(data), 0) == data
+    finally:
+        os.close(fd)
+    reads = _since(before)["read"]
+    assert reads >= 1
+    assert _answered_now(now) == {"read": reads}

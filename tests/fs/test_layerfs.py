@@ -303,7 +303,7 @@ def test_every_fuse_operation_is_guarded() -> None:
     ]
     assert {"lookup", "getattr", "readdir", "read", "forget", "statfs"} <= set(handlers)
     now = [name for name in vars(LayerFS) if name in vars(fusewire.Operations) and name.endswith("_now")]
-    assert {"lookup_now", "getattr_now", "readlink_now", "getxattr_now", "listxattr_now"} == set(now)
+    assert {"lookup_now", "getattr_now", "readlink_now", "getxattr_now", "listxattr_now", "read_now"} == set(now)
     assert [name for name in handlers + now if not hasattr(getattr(LayerFS, name), "__wrapped__")] == []
 
 

@@ -224,6 +224,7 @@ class Session:
             Opcode.READLINK: self._readlink_now,
             Opcode.GETXATTR: self._getxattr_now,
             Opcode.LISTXATTR: self._listxattr_now,
+            Opcode.READ: self._read_now,
         }
 
     # -- the loop -------------------------------------------------------------
@@ -541,6 +542,11 @@ class Session:
         fh, offset, size, *_ = protocol.READ_IN.unpack_from(body)
         # fh 0: the file was opened without OPEN (open answered ENOSYS).
         data = await self.ops.read(fh or h.nodeid, offset, size)
+        return [data if len(data) <= size else data[:size]]
+
+    def _read_now(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
+        fh, offset, size, *_ = protocol.READ_IN.unpack_from(body)
+        data = self.ops.read_now(fh or h.nodeid, offset, size)
         return [data if len(data) <= size else data[:size]]
 
     async def _release(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
