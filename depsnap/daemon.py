@@ -360,9 +360,15 @@ def serve(
         on_started(lambda: answers(address))
 
         def stop(signum: int, _frame: object) -> None:
-            log.info("stopping", signal=signal.Signals(signum).name)
+            # Only a thread started: the handler runs between two bytecodes
+            # of the main thread, which may be inside a log call holding the
+            # log's lock.
+            threading.Thread(target=_stop, args=(signal.Signals(signum).name,), daemon=True).start()
+
+        def _stop(name: str) -> None:
+            log.info("stopping", signal=name)
             on_stopping()
-            threading.Thread(target=server.shutdown, daemon=True).start()
+            server.shutdown()
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)

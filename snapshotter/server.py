@@ -183,10 +183,12 @@ def serve(
     bound: list[Path] = []
     health: _Health | None = None
     stopping = threading.Event()
+    signals: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
-        log.info("stopping", signal=signal.Signals(signum).name)
-        on_stopping()
+        # Nothing more: the handler runs between two bytecodes of the main
+        # thread, which may be inside a log call holding the log's lock.
+        signals.append(signum)
         stopping.set()
 
     try:
@@ -224,6 +226,8 @@ def serve(
         # it must not block for good.
         while not stopping.wait(SIGNAL_POLL_S):
             pass
+        log.info("stopping", signal=signal.Signals(signals[0]).name)
+        on_stopping()
     finally:
         if proxy is not None and proxy.address in bound:
             proxy.stop()

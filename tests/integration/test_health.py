@@ -182,26 +182,29 @@ def test_metrics_are_served_beside_healthz(endpoint_daemon: tuple[Daemon, list[s
 # -- the snapshotter ------------------------------------------------------------
 
 
-@integration
-def test_snapshotter_is_ready_once_its_socket_accepts(notify: NotifySocket) -> None:
-    workdir = Path(tempfile.mkdtemp(prefix="bs-hz-", dir="/tmp"))
-    address = workdir / "snapshotter.sock"
-    argv = [
-        str(BOOTSEER_BIN),
+def _snapshotter_args(workdir: Path) -> list[str]:
+    """`bootseer snapshotter` with everything under `workdir`, its socket
+    `snapshotter.sock`; no layer server runs."""
+    return [
         "snapshotter",
         "--root",
         str(workdir / "root"),
         "--address",
-        str(address),
+        str(workdir / "snapshotter.sock"),
         "--fs-store",
         str(workdir / "layers"),
         "--fs-mountpoint",
         str(workdir / "m"),
         "--pull-address",
         str(workdir / "pull.sock"),
-        "--log-format",
-        "console",
     ]
+
+
+@integration
+def test_snapshotter_is_ready_once_its_socket_accepts(notify: NotifySocket) -> None:
+    workdir = Path(tempfile.mkdtemp(prefix="bs-hz-", dir="/tmp"))
+    address = workdir / "snapshotter.sock"
+    argv = [str(BOOTSEER_BIN), *_snapshotter_args(workdir), "--log-format", "console"]
     accepted: list[bool] = []
     process = None
     try:
@@ -420,3 +423,55 @@ def test_hdfs_fuse_mount_ready_and_healthz(notify: NotifySocket, workdir: Path) 
         process.stop()
         if mountinfo.current(mountpoint) is not None:
             subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
+
+
+# -- a stop signal while a log line is being written ------------------------------
+
+# The daemon's CLI in-process, its stderr sending it SIGTERM while it writes
+# the line that says it is ready: the signal handler then runs inside the
+# log call, which holds the log's lock (a handler that logged waited on it
+# for good, and the daemon had to be killed).
+_SIGNAL_MID_LOG = """
+import os, signal, sys
+
+class Stderr:
+    def __init__(self, inner):
+        self.inner, self.sent = inner, False
+
+    def write(self, text):
+        written = self.inner.write(text)
+        if not self.sent and '"ready"' in text:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.inner.flush()
+        return written
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+sys.stderr = Stderr(sys.stderr)
+from bootseer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@integration
+@pytest.mark.parametrize("daemon", ["snapshotter", "depsnap"])
+def test_a_stop_signal_during_a_log_line_stops_the_daemon(workdir: Path, daemon: str) -> None:
+    depsnap = ["depsnap", "serve", "--socket", str(workdir / "depsnap.sock"), "--cache-dir", str(workdir / "cache")]
+    args = _snapshotter_args(workdir) if daemon == "snapshotter" else depsnap
+    python = BOOTSEER_BIN.parent / "python"
+    proc = subprocess.Popen(
+        [str(python), "-c", _SIGNAL_MID_LOG, *args, "--log-format", "json"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"{daemon} did not stop on a SIGTERM that came while it logged:\n{err[-2000:]}")
+    assert proc.returncode == 0, err[-2000:]
+    assert '"stopping"' in err and '"SIGTERM"' in err, err[-2000:]
