@@ -311,11 +311,11 @@ def test_a_read_of_cached_bytes_in_the_page_cache_is_answered_in_the_read_loop(
     m = mount_layers({digest: blob}, store.root)
     path = m.layer(digest) / "data.bin"
 
-    # Fetched: tasks wait for the registry.
+    # Fetched: a read that finds its block missing waits for the registry
+    # in a task (the kernel's read-ahead may send another once blocks are in).
     now, before = _answered_now(), _requests()
     assert path.read_bytes() == data
-    assert _since(before)["read"] >= 1
-    assert "read" not in _answered_now(now)
+    assert _answered_now(now).get("read", 0) < _since(before)["read"]
 
     # Cached, and in the page cache (read here just before, so that no
     # reclaim of idle pages can take them in between): answered at once.
