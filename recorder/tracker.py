@@ -4,9 +4,10 @@ the blocks its first run reads and publish them as one.
 
 Prefetching runs alongside the container's own reads: the blocks of every
 layer prepared so far are fetched in manifest order (first access across the
-whole image) by a few workers, adjacent blocks merged into one Range
-request; a reader's miss does not queue behind them (separate fetch slots),
-and a block already on its way is waited for, never fetched twice
+whole image) by a few workers, a layer's consecutive hot blocks merged into
+one Range request and taken when the first of them is due (hot_runs); a
+reader's miss does not queue behind them (separate fetch slots and decode
+threads), and a block already on its way is waited for, never fetched twice
 (LayerReader.ensure).
 
 Publishing follows `[fs] hot_blocks_publish` (docs/hot-blocks.md): with
@@ -42,7 +43,7 @@ from snapshotter.fs.control import ImageRequest, read_request
 from snapshotter.fs.layers import LayerStore
 from snapshotter.fs.reader import BlockUnavailable, Origin
 from snapshotter.fs.served import ServedLayer
-from snapshotter.layer.blockmath import fetch_runs
+from snapshotter.layer.blockmath import hot_runs
 from snapshotter.layer.index import LayerIndex
 from snapshotter.registry.client import RegistryClient
 from snapshotter.registry.reference import Reference
@@ -324,8 +325,8 @@ class HotBlocks:
                 return
             prefetch.layers[layer_digest] = layer
             layer.reader.follow_manifest({b.block for b in blocks})
-            for run in fetch_runs([b.block for b in blocks], index.blocks):
-                heapq.heappush(prefetch.queue, (positions[run[0]], layer_digest, run))
+            for position, run in hot_runs(positions, index.blocks):
+                heapq.heappush(prefetch.queue, (position, layer_digest, run))
         finally:
             prefetch.queued.add(layer_digest)
             prefetch.wake()

@@ -371,6 +371,10 @@ class LayerFS(fuse.Operations):
         self.limiter = trio.CapacityLimiter(max_parallel_fetches)
         self.prefetch_limiter = trio.CapacityLimiter(prefetch_parallel)
         self.background_limiter = trio.CapacityLimiter(1)
+        # As many threads decode prefetched blocks as fetch them: fewer let a
+        # start overtake its prefetch on two cores, more take the CPU the
+        # container's own start needs (LayerReader.prefetch_decode_limiter).
+        self.prefetch_decode_limiter = trio.CapacityLimiter(prefetch_parallel)
         # Whole layers fetched in the background when a bandwidth is given.
         self.background = BackgroundFetch(background_bandwidth, self.limiter) if background_bandwidth > 0 else None
         # When the last FUSE request came (_clock_ns): unpacking waits for a quiet mount.
@@ -557,6 +561,7 @@ class LayerFS(fuse.Operations):
             self.limiter,
             self.prefetch_limiter,
             self.background_limiter,
+            self.prefetch_decode_limiter,
             self._access,
             self.image_bytes.fetched,
             self.cache,
@@ -789,23 +794,29 @@ class LayerFS(fuse.Operations):
         attr.attr_timeout = 0
         return attr
 
+    def _root_getattr(self) -> fuse.EntryAttributes:
+        attr = self._root_attr()
+        # The store directory's mtime, which every layer added or removed
+        # moves: the kernel keeps the root's listing (directories are opened
+        # without OPENDIR, so every listing may be cached) only while this
+        # stays, and asks it before each listing. A stat of a local
+        # directory, in the loop: every path through the mount root asks it
+        # first, and a thread hop queued behind a prefetch's decodes cost
+        # the snapshotter's Prepares 5-60 ms each.
+        attr.st_mtime_ns = self._store_mtime_ns()
+        return attr
+
     @_guarded
     async def getattr(self, inode: int, ctx: fuse.RequestContext | None = None) -> fuse.EntryAttributes:
         if inode == fuse.ROOT_INODE:
-            attr = self._root_attr()
-            # The store directory's mtime, which every layer added or removed
-            # moves: the kernel keeps the root's listing (directories are
-            # opened without OPENDIR, so every listing may be cached) only
-            # while this stays, and asks it before each listing.
-            attr.st_mtime_ns = await trio.to_thread.run_sync(self._store_mtime_ns)
-            return attr
+            return self._root_getattr()
         layer, node = await self._resolve(inode)
         return entry_attributes(layer.slot, node)
 
     @_guarded_now
     def getattr_now(self, inode: int, ctx: fuse.RequestContext | None = None) -> fuse.EntryAttributes:
         if inode == fuse.ROOT_INODE:
-            raise fuse.NotNow
+            return self._root_getattr()
         layer, node = self._resolve_now(inode)
         return entry_attributes(layer.slot, node)
 

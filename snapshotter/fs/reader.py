@@ -148,6 +148,7 @@ class LayerReader:
         fetch_limiter: trio.CapacityLimiter,
         prefetch_limiter: trio.CapacityLimiter,
         background_limiter: trio.CapacityLimiter,
+        prefetch_decode_limiter: trio.CapacityLimiter,
         on_access: Callable[[str, int], None] | None = None,
         on_fetched: Callable[[str, int, str | None, bool], None] | None = None,
         cache: BlockCache | None = None,
@@ -178,6 +179,12 @@ class LayerReader:
             Origin.HOT: prefetch_limiter,
             Origin.BACKGROUND: background_limiter,
         }
+        # Blocks no reader has waited for (hot-block prefetch, background
+        # fetch) are decoded under their own limiter, not in trio's default
+        # thread pool: a prefetch landing hundreds of blocks filled that
+        # pool, and the container's reads (_pread) and the layer lookups of
+        # its start queued behind them (a start's lookups took 14-37 ms each).
+        self.prefetch_decode_limiter = prefetch_decode_limiter
         self.readahead = InOrderReadAhead()
         # `[fs] blocks_after_miss`: see _ahead_of_miss.
         self.blocks_after_miss = blocks_after_miss
@@ -686,7 +693,7 @@ class LayerReader:
 
         async def store(n: int, compressed: memoryview) -> None:
             try:
-                uncached = await self._store_block(n, compressed)
+                uncached = await self._store_block(n, compressed, origin)
             except Exception as exc:
                 errors.append(exc)
                 return
@@ -725,12 +732,12 @@ class LayerReader:
         if errors:
             raise errors[0]
 
-    async def _store_block(self, n: int, compressed: memoryview) -> bytes | None:
+    async def _store_block(self, n: int, compressed: memoryview, origin: Origin) -> bytes | None:
         """Verify and decode block `n`, then write it to the cache once there
         is room for it, in one worker thread: None once it is cached, else its
         bytes, for its readers from memory. Room is made first (the size is
         the index's), so that decoding, writing and recording cost one thread
-        hop, not two."""
+        hop, not two. `origin`: who fetched it."""
         block = self.index.blocks[n]
         size = block.uend - block.ustart
         room = True
@@ -739,7 +746,8 @@ class LayerReader:
         # Stays true if decoding raises: the room made is given back unused.
         failed = True
         try:
-            data, failed = await trio.to_thread.run_sync(self._decode_and_write, n, compressed, room)
+            limiter = self.prefetch_decode_limiter if origin in (Origin.HOT, Origin.BACKGROUND) else None
+            data, failed = await trio.to_thread.run_sync(self._decode_and_write, n, compressed, room, limiter=limiter)
         finally:
             if self.cache is not None and room:
                 self.cache.settle(size, self.cache_key, n, block.ustart, not failed)

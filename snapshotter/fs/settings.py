@@ -38,7 +38,8 @@ class FsConfig:
     # for record_idle_s, or after record_max_s.
     record_idle_s: float = 10.0
     record_max_s: float = 300.0
-    # Parallel Range requests of the hot-block prefetcher (per image).
+    # Parallel Range requests of the hot-block prefetcher, and threads
+    # decoding the blocks it fetched.
     prefetch_parallel: int = 4
     # Who pushes a recording to the registry (docs/hot-blocks.md): "elected"
     # (the one node that wins the image's publish election, and only while

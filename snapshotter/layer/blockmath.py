@@ -35,6 +35,25 @@ def fetch_runs(numbers: Iterable[int], blocks: list[Block], max_bytes: int = MAX
     return runs
 
 
+# A hot-block prefetch asks for up to this many bytes at once. A start's
+# manifest lists a layer's blocks in the order it read them, which jumps
+# about the layer: merged in that order, the benchmark image's 379 hot
+# blocks took 182 Range requests; merged by number, 66 at 8 MiB (90 at
+# 4 MiB, 57 at 16 MiB), the same bytes. A registry's cost is mostly per
+# request (docker-registry 2.8: about 4 ms of CPU each).
+HOT_RUN_BYTES = 8 << 20
+
+
+def hot_runs(
+    positions: dict[int, int], blocks: list[Block], max_bytes: int = HOT_RUN_BYTES
+) -> list[tuple[int, list[int]]]:
+    """A layer's hot blocks, given as block number -> place in the manifest
+    (first access), as runs of consecutive blocks in block order, each
+    fetched with one Range request, paired with the place of the run's
+    earliest-read block: the prefetch takes runs in that order."""
+    return [(min(positions[n] for n in run), run) for run in fetch_runs(sorted(positions), blocks, max_bytes)]
+
+
 class RunArrival:
     """One run's blocks as its response arrives into `data`: which are whole
     once its first `received` bytes are in, each handed out once, as a view

@@ -131,6 +131,7 @@ def make_reader(
         trio.CapacityLimiter(4),
         trio.CapacityLimiter(4),
         trio.CapacityLimiter(1),
+        trio.CapacityLimiter(4),
     )
 
 

@@ -155,6 +155,7 @@ def test_a_prefetch_counts_for_its_image(tmp_path: Path) -> None:
         trio.CapacityLimiter(4),
         trio.CapacityLimiter(4),
         trio.CapacityLimiter(1),
+        trio.CapacityLimiter(4),
         on_fetched=images.fetched,
     )
     try:

@@ -3,11 +3,13 @@ the hot-block prefetcher."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 import random
 import subprocess
 import tarfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,6 +80,47 @@ def test_hot_blocks_do_not_set_off_read_ahead(tmp_path: Path) -> None:
 
     trio.run(main)
     assert _fetched_blocks(reader, source) == set(range(6))
+
+
+def test_prefetched_blocks_decode_outside_the_default_thread_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefetch landing many blocks must not hold the threads a reader's
+    own miss (and the container's other requests) decode and read in."""
+    blob, _ = _layer()
+    reader = _reader(tmp_path, Blob(blob), blob)
+    raw = gzip.decompress(blob)
+    prefetched = range(1, 6)
+    released = threading.Event()
+    decode = reader.decoder.decode
+
+    def held(n: int, compressed: memoryview) -> bytes:
+        if n in prefetched:
+            released.wait(30)
+        return decode(n, compressed)
+
+    monkeypatch.setattr(reader.decoder, "decode", held)
+    wanted = reader.index.blocks[8]
+
+    async def main() -> None:
+        # One thread in the default pool: a prefetched block decoding there
+        # would take it until released.
+        trio.to_thread.current_default_thread_limiter().total_tokens = 1
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(reader.ensure, prefetched, Origin.HOT))
+            await trio.sleep(0.5)
+            try:
+                with trio.fail_after(10):
+                    got = await reader.read(wanted.ustart, wanted.ustart + 4096)
+            finally:
+                released.set()
+        assert got == raw[wanted.ustart : wanted.ustart + 4096]
+
+    try:
+        trio.run(main)
+    finally:
+        _close(reader)
+    assert set(prefetched) | {8} <= reader.cached
 
 
 def _close(reader: LayerReader) -> None:

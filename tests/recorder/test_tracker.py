@@ -91,6 +91,7 @@ class Node:
         fetch_limiter = trio.CapacityLimiter(4)
         prefetch_limiter = trio.CapacityLimiter(prefetch_parallel)
         background_limiter = trio.CapacityLimiter(1)
+        prefetch_decode_limiter = trio.CapacityLimiter(prefetch_parallel)
         self.digests: list[str] = []
         for seed in range(layers):
             blob = layer_blob(seed)
@@ -107,6 +108,7 @@ class Node:
                 fetch_limiter,
                 prefetch_limiter,
                 background_limiter,
+                prefetch_decode_limiter,
                 self.hot.access,
             )
             self.layers[digest] = Served(reader)

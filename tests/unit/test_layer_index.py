@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from snapshotter.layer.blockmath import InOrderReadAhead, RunArrival, fetch_runs
+from snapshotter.layer.blockmath import InOrderReadAhead, RunArrival, fetch_runs, hot_runs
 from snapshotter.layer.build import COARSE_SPANS, UnsupportedLayer, build_index, coarsen
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import (
@@ -92,6 +92,12 @@ def test_block_range_and_fetch_runs() -> None:
     # The caller's order stands: a manifest's first-access order is kept.
     assert fetch_runs([5, 1, 2, 3, 8, 7], blocks) == [[5], [1, 2, 3], [8], [7]]
     assert fetch_runs([1, 2, 3], blocks, max_bytes=25) == [[1, 2], [3]]
+    # A manifest's blocks of a layer, read in the order 8, 2, 7, 1, 3 (their
+    # places among the image's hot blocks): merged by number, each run taken
+    # when its earliest-read block is due, never past max_bytes.
+    positions = {8: 0, 2: 3, 7: 4, 1: 6, 3: 9}
+    assert hot_runs(positions, blocks) == [(3, [1, 2, 3]), (0, [7, 8])]
+    assert hot_runs(positions, blocks, max_bytes=25) == [(3, [1, 2]), (9, [3]), (0, [7, 8])]
     # A run's blocks are handed out as its response arrives, each once it
     # is whole: block 1 ends a byte into block 2 (they share it).
     data = bytes(range(41))
