@@ -45,7 +45,7 @@ from snapshotter.labels import RemoteLayerLabels
 from snapshotter.layer.artifact import index_blobs
 from snapshotter.layer.index import ARTIFACT_TYPE, IndexFormatError, LayerIndex, chain_id, is_sha256_digest
 from snapshotter.layer.signature import Signature
-from snapshotter.layer.tree import implicit_dirs
+from snapshotter.layer.tree import implicit_dirs, shows_xattrs
 from snapshotter.model import Snapshot
 from snapshotter.registry import artifact, media
 from snapshotter.registry.auth import CredentialsError
@@ -238,11 +238,16 @@ class RemoteLayers:
         client_factory: Callable[[], RegistryClient],
         gc_grace_s: float,
         trust: IndexTrust,
+        plain_mountpoint: Path | None = None,
     ) -> None:
+        """`plain_mountpoint`: the layer mount's twin without xattrs
+        (FsConfig.plain_mountpoint), where layers that have none are served
+        while the layer server mounts it."""
         self.store = store
         self.trust = trust
         self.gc_grace_s = gc_grace_s
         self.mountpoint = mountpoint
+        self.plain_mountpoint = plain_mountpoint
         self._client_factory = client_factory
         self._client: RegistryClient | None = None
         # Index blobs per image manifest, and the listings under way: one
@@ -301,7 +306,7 @@ class RemoteLayers:
         implicit = implicit_dirs(index.entries)
         if implicit and (why := parents.differing(implicit, wanted.lowers)):
             raise NotLazy(Reason.IMPLICIT_DIRS, why)
-        path = self.mountpoint / name
+        path = self._mount_for(index) / name
         try:
             shown = control.lookup(self.mountpoint, name)
         except OSError as exc:
@@ -315,13 +320,25 @@ class RemoteLayers:
         self._announce(ref, manifest_digest, layer_digest)
         return LazyLayer(path=path, index=index)
 
-    def files_of(self, layer_digest: str) -> Path:
+    def _mount_for(self, index: LayerIndex) -> Path:
+        """The plain mount for a layer whose files show no xattr (overlayfs
+        then never asks), else the layer mount. A layer server from before
+        the plain mount has none: the layer mount then."""
+        plain = self.plain_mountpoint
+        if plain is not None and not shows_xattrs(index.entries) and os.path.ismount(plain):
+            return plain
+        return self.mountpoint
+
+    def files_of(self, layer_digest: str, served: Path | None) -> Path:
         """Where a layer's files are for a mount made now: the local copy
         the layer server wrote once the layer was whole (fs/unpack.py), or
-        the layer mount."""
+        where its Prepare found it in a layer mount (`served`; None: the
+        layer mount)."""
         name = layer_name(layer_digest)
         tree = self.store.tree_path(name)
-        return tree if tree.is_dir() else self.mountpoint / name
+        if tree.is_dir():
+            return tree
+        return served if served is not None else self.mountpoint / name
 
     def _stored(
         self, ref: Reference, manifest_digest: str, layer_digest: str, own: bool, below: _IndexFetch | None = None

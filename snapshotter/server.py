@@ -76,7 +76,9 @@ def _remote_layers(
 
         return client_from_config(registry)
 
-    return RemoteLayers(LayerStore(fs.store), fs.mountpoint, client, fs.layer_gc_grace_s, index_trust)
+    return RemoteLayers(
+        LayerStore(fs.store), fs.mountpoint, client, fs.layer_gc_grace_s, index_trust, fs.plain_mountpoint
+    )
 
 
 def _cri_proxy(cri: CriConfig, registry: RegistryConfig) -> CriProxy | None:

@@ -51,6 +51,9 @@ from snapshotter.usage import TreeChanged, TreeError, Usage, disk_usage, remove_
 log = structlog.get_logger("bootseer.snapshotter")
 
 _INDEX_PARAM = Path("/sys/module/overlay/parameters/index")
+# Beside a lazily served snapshot's "fs": where its Prepare found the layer
+# (the layer mount or its plain twin), for when "fs" points at a local copy.
+SERVED_LINK = "served"
 
 # Every series exists from the start, at zero: an alert on a rate of
 # `path="normal"` sees its first fallback.
@@ -164,8 +167,10 @@ class Snapshotter:
         def populate(staging: Path, _parent: Snapshot | None) -> None:
             staging.mkdir(mode=0o700)
             # The layer's files are the FUSE server's directory; a symlink
-            # keeps the overlay lowerdir path short.
+            # keeps the overlay lowerdir path short. A second one remembers
+            # which layer mount served it, for when "fs" points elsewhere.
             os.symlink(lazy.path, staging / "fs")
+            os.symlink(lazy.path, staging / SERVED_LINK)
 
         validate_labels(labels)
         self._insert(
@@ -281,7 +286,12 @@ class Snapshotter:
         if self.remote is None or digest is None:
             return
         fs = self.fs_path(snap)
-        wanted = self.remote.files_of(digest)
+        try:
+            served: Path | None = Path(os.readlink(fs.with_name(SERVED_LINK)))
+        except OSError:
+            # Committed before the link was kept: the layer mount served it.
+            served = None
+        wanted = self.remote.files_of(digest, served)
         try:
             if Path(os.readlink(fs)) == wanted:
                 return

@@ -113,11 +113,12 @@ _LAYER_ROOT = re.compile(r"/([0-9a-f]{64})(?:/|$)")
 _LAYER_NAME = re.compile(r"[0-9a-f]{64}")
 
 
-def mounted_layers(mountpoint: Path) -> set[str]:
+def mounted_layers(mountpoints: Sequence[Path]) -> set[str]:
     """Layers some mount in this mount namespace uses: named in an overlay's
-    options (lowerdir=MOUNTPOINT/<layer>:...) or bind-mounted from the layer
+    options (lowerdir=MOUNTPOINT/<layer>:...) or bind-mounted from a layer
     mount (a view of one layer: a FUSE mount whose root is /<layer>)."""
-    named = re.compile(re.escape(str(mountpoint).rstrip("/") + "/") + r"([0-9a-f]{64})")
+    prefixes = "|".join(re.escape(str(m).rstrip("/") + "/") for m in mountpoints)
+    named = re.compile(f"(?:{prefixes})" + r"([0-9a-f]{64})")
     layers: set[str] = set()
     with open("/proc/self/mountinfo") as mountinfo:
         for line in mountinfo:
@@ -330,14 +331,14 @@ class LayerFS(fuse.Operations):
         whole_layer_bytes: int = 0,
         cache_max_bytes: int = 0,
         unload_idle_s: float = 0.0,
-        mountpoint: Path | None = None,
+        mountpoints: Sequence[Path] = (),
         unpack_whole_layers: bool = False,
         blocks_after_miss: int = 0,
     ) -> None:
         """`cache_max_bytes`: the block cache's cap (0: none). `unload_idle_s`:
         unload layers no mount uses after this long without a request (0:
-        never). `mountpoint`: where the layer mount is, to tell which
-        layers mounts use. `unpack_whole_layers`: write a layer out as a
+        never). `mountpoints`: where the layer mount and its plain twin
+        are, to tell which layers mounts use. `unpack_whole_layers`: write a layer out as a
         local directory once every block of it is cached (fs/unpack.py).
         `blocks_after_miss`: blocks fetched after a miss (`[fs]`'s)."""
         super().__init__()
@@ -360,7 +361,7 @@ class LayerFS(fuse.Operations):
             else:
                 self.slots.drop(name, generation)
         self.unload_idle_s = unload_idle_s
-        self.mountpoint = mountpoint
+        self.mountpoints = tuple(mountpoints)
         # The store's entries as the last sweep saw them: name -> ((inode,
         # ctime), generation), so unchanged layers' source files are not read.
         self._identities: dict[str, tuple[tuple[int, int], str | None]] = {}
@@ -399,11 +400,6 @@ class LayerFS(fuse.Operations):
         self.image_bytes = metrics.ImageBytes()
         # Set while the layer store's filesystem cannot answer statfs (logged once).
         self.statfs_error: str | None = None
-        # Set once the kernel has initialised the connection.
-        self.initialized = trio.Event()
-
-    def init(self) -> None:
-        self.initialized.set()
 
     def _access(self, layer: str, block: int) -> None:
         if self.events is not None:
@@ -701,8 +697,8 @@ class LayerFS(fuse.Operations):
         window = idle_s if idle_s > 0 else IN_USE_S
         stale = [layer for layer in self.layers_by_slot.values() if now - layer.last_used >= window]
         mounted: set[str] = set()
-        if stale and self.mountpoint is not None:
-            mounted = await trio.to_thread.run_sync(mounted_layers, self.mountpoint)
+        if stale and self.mountpoints:
+            mounted = await trio.to_thread.run_sync(mounted_layers, self.mountpoints)
         for layer in stale:
             if layer.name in mounted:
                 # Looked at again a window from now, not every sweep.

@@ -7,9 +7,12 @@ connection's descriptor (fs/fusewire), which systemd's descriptor store or a
 holder process keeps, so a crash, an OOM kill or a restart hands the same
 connection to the next server, which takes over without a new INIT and asks
 the kernel to resend what the dead one left unanswered
-(docs/fuse-failover.md). SIGTERM is a restart: the server stops reading,
-answers what it read and exits, leaving the mount; `release` is the final
-stop. The application serves its metrics and health endpoint (`[fs]
+(docs/fuse-failover.md). It serves the same layers on a second
+connection too, the plain mount, which answers no getxattr: layers without
+xattrs are served from there, and overlayfs's per-file xattr probes never
+reach the server (`layer_mounts`). SIGTERM is a restart: the server stops
+reading, answers what it read and exits, leaving the mounts; `release` is
+the final stop. The application serves its metrics and health endpoint (`[fs]
 metrics_address`) and tells the service manager about readiness, through
 the callbacks `serve` takes.
 """
@@ -19,7 +22,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -33,7 +37,7 @@ from snapshotter.fs.fusewire import connection, handoff
 from snapshotter.fs.fusewire.connection import Connection, MountpointBusy
 from snapshotter.fs.fusewire.handoff import Notify
 from snapshotter.fs.fusewire.mount import MountOptions, unmount
-from snapshotter.fs.fusewire.session import Session
+from snapshotter.fs.fusewire.session import Session, SessionConfig
 from snapshotter.fs.layerfs import LayerFS
 from snapshotter.fs.layers import LayerSource, LayerStore
 from snapshotter.fs.reader import BoundedFetcher, RangeFetcher
@@ -53,7 +57,9 @@ log = structlog.get_logger("bootseer.fs")
 # cached one 1.59x overlayfs's; 8 MiB 252 MB and 1.14x; 4 MiB 235 MB and 1.17x.
 KERNEL_READAHEAD = 4 << 20
 MOUNT = MountOptions(fsname="bootseer", subtype="bootseer")
+PLAIN_MOUNT = MountOptions(fsname="bootseer-plain", subtype="bootseer")
 FSTYPE = MOUNT.fstype
+PLAIN_FDNAME = "fuse-plain"
 # How often the server checks that the holder still keeps the connection.
 KEEPER_CHECK_S = 5.0
 # A graceful stop answers the requests already read for at most this long.
@@ -68,6 +74,51 @@ __all__ = ["MountpointBusy", "release", "serve"]
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
+@dataclass(frozen=True)
+class LayerMount:
+    """One of the server's FUSE connections: where it is mounted, how its
+    session answers, and where it is kept across restarts."""
+
+    mountpoint: Path
+    options: MountOptions
+    session: SessionConfig
+    holder_socket: Path
+    fdname: str
+
+
+def layer_mounts(fs: FsConfig) -> tuple[LayerMount, LayerMount]:
+    """The layer mount, and its plain twin that answers no getxattr
+    (FsConfig.plain_mountpoint): the same layers on both."""
+    plain = SessionConfig(getxattr=False)
+    return (
+        LayerMount(fs.mountpoint, MOUNT, SessionConfig(), fs.holder_socket, handoff.FDNAME),
+        LayerMount(fs.plain_mountpoint, PLAIN_MOUNT, plain, fs.plain_holder_socket, PLAIN_FDNAME),
+    )
+
+
+def _served_mounts(fs: FsConfig, notify: Notify | None) -> tuple[LayerMount, ...]:
+    """The mounts to serve; with `[fs] plain_mount` off, a plain mount an
+    earlier server left is released (its layers are the layer mount's too,
+    and the snapshotter serves from there while no plain mount is up)."""
+    main, plain = layer_mounts(fs)
+    if fs.plain_mount:
+        return main, plain
+    kept = handoff.from_systemd(name=plain.fdname)
+    if kept is not None:
+        connection.release(Connection(kept, plain.mountpoint, "systemd", plain.fdname), notify=notify)
+    _release(plain, notify)
+    return (main,)
+
+
+@dataclass
+class _Served:
+    mount: LayerMount
+    conn: Connection
+    # Who keeps a copy of the connection: "systemd", "holder" or None.
+    keeper: str | None
+    session: Session
+
+
 def serve(
     fs: FsConfig,
     registry: RegistryConfig,
@@ -77,16 +128,16 @@ def serve(
     on_stopping: Callable[[], None] = lambda: None,
     notify: Notify | None = None,
 ) -> None:
-    """Take the layer mount over (or mount it) and serve until SIGTERM or
-    SIGINT, which leave it for the next server.
+    """Take the layer mounts over (or mount them) and serve until SIGTERM
+    or SIGINT, which leave them for the next server.
 
-    `on_started(health)` once mounted (`health()`: None while the mount
-    answers a stat and a statfs within 2 s, else why not); `on_ready()` once
-    the kernel's INIT is answered (or the connection taken over) and the
-    mount answers; `on_stopping()` when a signal starts the shutdown.
+    `on_started(health)` once mounted (`health()`: None while both mounts
+    answer a stat and a statfs within 2 s, else why not); `on_ready()` once
+    the kernel's INIT is answered (or the connection taken over) on both
+    and they answer; `on_stopping()` when a signal starts the shutdown.
     `notify` reaches the service manager (sd_notify with descriptors), whose
-    descriptor store then keeps the connection; without one, the holder at
-    `[fs] holder_socket` does."""
+    descriptor store then keeps the connections; without one, the holders
+    at `[fs] holder_socket` (and its plain twin) do."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     store = LayerStore(fs.store)
     block_index = BlockIndex(store.block_index_path)
@@ -105,6 +156,7 @@ def serve(
 
     cap = cache_cap(fs, store.root)
     log.info("block cache cap", max_bytes=cap, store=str(fs.store))
+    mounts = _served_mounts(fs, notify)
     ops = LayerFS(
         store,
         block_index,
@@ -115,7 +167,7 @@ def serve(
         fs.whole_layer_bytes,
         cache_max_bytes=cap,
         unload_idle_s=fs.unload_idle_s,
-        mountpoint=fs.mountpoint,
+        mountpoints=[m.mountpoint for m in mounts],
         unpack_whole_layers=fs.unpack_whole_layers,
         blocks_after_miss=fs.blocks_after_miss,
     )
@@ -138,53 +190,67 @@ def serve(
         else None
     )
     ops.events = hot
-    conn = connection.acquire(fs.mountpoint, MOUNT, holder_socket=fs.holder_socket)
-    keeper = connection.keep(conn, notify=notify, holder_socket=fs.holder_socket)
-    session = Session(ops, conn.fd)
+    served: list[_Served] = []
     try:
-        on_started(MountProbe(fs.mountpoint, FSTYPE).check)
-        log.info(
-            "serving layers",
-            mountpoint=str(fs.mountpoint),
-            store=str(fs.store),
-            connection=conn.source,
-            kept_by=keeper,
-        )
-        trio.run(_main, ops, session, conn, keeper, fs.holder_socket, hot, on_ready, on_stopping)
+        for m in mounts:
+            conn = connection.acquire(m.mountpoint, m.options, holder_socket=m.holder_socket, name=m.fdname)
+            keeper = connection.keep(conn, notify=notify, holder_socket=m.holder_socket)
+            served.append(_Served(m, conn, keeper, Session(ops, conn.fd, m.session)))
+        probes = [MountProbe(m.mountpoint, FSTYPE) for m in mounts]
+        on_started(lambda: next((why for probe in probes if (why := probe.check()) is not None), None))
+        for s in served:
+            log.info(
+                "serving layers",
+                mountpoint=str(s.conn.mountpoint),
+                getxattr=s.mount.session.getxattr,
+                store=str(fs.store),
+                connection=s.conn.source,
+                kept_by=s.keeper,
+            )
+        trio.run(_main, ops, served, hot, on_ready, on_stopping)
     finally:
-        # Our copy only: the keeper's stays, and with it the mount.
-        os.close(conn.fd)
+        # Our copies only: the keepers' stay, and with them the mounts.
+        for s in served:
+            os.close(s.conn.fd)
         ops.close()
         block_index.close()
         local.close()
-        log.info("stopped; the mount stays for the next layer server", mountpoint=str(fs.mountpoint))
+        log.info("stopped; the mounts stay for the next layer server", mountpoint=str(fs.mountpoint))
 
 
 def release(fs: FsConfig, notify: Notify | None = None) -> None:
-    """The final stop of the layer mount: unmount it and let the holder go
-    (running containers' reads then fail). Under systemd, stopping the unit
-    does this: the descriptor store is emptied when the unit stops."""
-    held = handoff.get(fs.holder_socket)
+    """The final stop of the layer mounts: unmount them and let the holders
+    go (running containers' reads then fail). Under systemd, stopping the
+    unit does this: the descriptor store is emptied when the unit stops."""
+    for m in layer_mounts(fs):
+        _release(m, notify)
+
+
+def _release(m: LayerMount, notify: Notify | None) -> None:
+    held = handoff.get(m.holder_socket)
     if held is not None:
-        connection.release(Connection(held.fd, fs.mountpoint, "holder"), notify=notify, holder_socket=fs.holder_socket)
-    elif connection.mounted_fstype(fs.mountpoint) == FSTYPE:
-        unmount(fs.mountpoint, lazy=True)
+        connection.release(
+            Connection(held.fd, m.mountpoint, "holder", m.fdname), notify=notify, holder_socket=m.holder_socket
+        )
+    elif connection.mounted_fstype(m.mountpoint) == FSTYPE:
+        unmount(m.mountpoint, lazy=True)
 
 
-async def _tune_readahead(ops: LayerFS, mountpoint: Path) -> None:
+async def _tune_readahead(session: Session, mountpoint: Path) -> None:
     # The kernel settles the connection's read-ahead when INIT is answered;
     # set it after that, and after a takeover too: the knob belongs to the
     # mount, which keeps what an earlier server set (older ones: 8 MiB).
-    await ops.initialized.wait()
+    await session.initialized.wait()
     await trio.sleep(0)
     await trio.to_thread.run_sync(set_kernel_readahead, mountpoint, KERNEL_READAHEAD)
 
 
-async def _announce_ready(ops: LayerFS, mountpoint: Path, on_ready: Callable[[], None]) -> None:
-    # After the kernel's INIT (or the takeover), and once a stat of the
-    # mountpoint shows the mount.
-    await ops.initialized.wait()
-    await MountProbe(mountpoint, FSTYPE).answering()
+async def _announce_ready(served: Sequence[_Served], on_ready: Callable[[], None]) -> None:
+    # After the kernel's INIT (or the takeover), and once a stat of each
+    # mountpoint shows its mount.
+    for s in served:
+        await s.session.initialized.wait()
+        await MountProbe(s.conn.mountpoint, FSTYPE).answering()
     on_ready()
 
 
@@ -201,10 +267,7 @@ async def _watch_keeper(conn: Connection, holder_socket: Path) -> None:
 
 async def _main(
     ops: LayerFS,
-    session: Session,
-    conn: Connection,
-    keeper: str | None,
-    holder_socket: Path,
+    served: Sequence[_Served],
     hot: HotBlocks | None,
     on_ready: Callable[[], None],
     on_stopping: Callable[[], None],
@@ -215,30 +278,37 @@ async def _main(
         async def on_signal() -> None:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
-                    log.info("stopping; handing the mount over", signal=signal.Signals(signum).name)
+                    log.info("stopping; handing the mounts over", signal=signal.Signals(signum).name)
                     on_stopping()
-                    session.stop(DRAIN_S)
+                    for s in served:
+                        s.session.stop(DRAIN_S)
                     stopped.set()
                     return
 
-        async def run_session() -> None:
-            outcome = await session.serve(conn.takeover)
+        async def run_session(s: _Served) -> None:
+            outcome = await s.session.serve(s.conn.takeover)
             if not stopped.is_set():
                 # Unmounted or aborted from outside: the daemon stays, unhealthy
                 # (its probe says why), until it is told to stop.
-                log.error("the FUSE connection ended", outcome=outcome.value, mountpoint=str(conn.mountpoint))
+                log.error("the FUSE connection ended", outcome=outcome.value, mountpoint=str(s.conn.mountpoint))
                 await stopped.wait()
+
+        async def run_sessions() -> None:
+            async with trio.open_nursery() as sessions:
+                for s in served:
+                    sessions.start_soon(run_session, s)
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(on_signal)
-        nursery.start_soon(run_session)
-        nursery.start_soon(_announce_ready, ops, conn.mountpoint, on_ready)
+        nursery.start_soon(run_sessions)
+        nursery.start_soon(_announce_ready, served, on_ready)
         if hot is not None:
             nursery.start_soon(hot.run)
-        nursery.start_soon(_tune_readahead, ops, conn.mountpoint)
+        for s in served:
+            nursery.start_soon(_tune_readahead, s.session, s.conn.mountpoint)
+            if s.keeper == "holder":
+                nursery.start_soon(_watch_keeper, s.conn, s.mount.holder_socket)
         nursery.start_soon(ops.maintain)
-        if keeper == "holder":
-            nursery.start_soon(_watch_keeper, conn, holder_socket)
         if ops.background is not None:
             nursery.start_soon(ops.background.run)
         if ops.unpacker is not None:

@@ -14,14 +14,16 @@ from pathlib import Path
 # well under a minute, so a stalled registry shows up as an error instead
 # of a hung process.
 FETCH_DEADLINE_S = 20.0
+PLAIN_SUFFIX = "-plain"
 
 
 @dataclass
 class FsConfig:
     # Layer indexes, block caches and the block index.
     store: Path = Path("/var/lib/bootseer/layers")
-    # The single FUSE mount; short, because every lazy layer's path under it
-    # goes into an overlay lowerdir option that must fit in one page.
+    # The layer mount; short, because every lazy layer's path under it goes
+    # into an overlay lowerdir option that must fit in one page. Its twin
+    # without xattrs is beside it (plain_mountpoint).
     mountpoint: Path = Path("/var/lib/bootseer/m")
     max_parallel_fetches: int = 8
     # The longest a read waits on the registry before EIO, whatever the
@@ -90,6 +92,28 @@ class FsConfig:
     # unloaded (tree, index, cache file descriptor; loaded again on its
     # next use); 0: never.
     unload_idle_s: float = 300.0
+    # Serve layers without xattrs from the plain mount (plain_mountpoint).
+    # Its files answer getxattr(2) EOPNOTSUPP rather than ENODATA (a
+    # listing still shows none): set false where something asks container
+    # files for xattrs and fails on that, such as SELinux labelling a
+    # container's files from xattrs instead of a context= mount option.
+    plain_mount: bool = True
+
+    @property
+    def plain_mountpoint(self) -> Path:
+        """The layer mount's twin: the same layers on a FUSE connection of
+        its own that answers xattr requests ENOSYS, which the kernel then
+        stops sending. Overlayfs asks every lower file it looks up for its
+        trusted.overlay.* xattrs, a round trip to the layer server each
+        (3,228 in the benchmark image's start); a layer that has no xattrs
+        and no opaque directory is served from here without them. Beside
+        the layer mount: `<mountpoint>-plain`."""
+        return self.mountpoint.with_name(self.mountpoint.name + PLAIN_SUFFIX)
+
+    @property
+    def plain_holder_socket(self) -> Path:
+        """Where the descriptor holder of the plain mount's connection listens."""
+        return self.holder_socket.with_name(self.holder_socket.name + PLAIN_SUFFIX)
 
 
 def cache_cap(config: FsConfig, store: Path) -> int:

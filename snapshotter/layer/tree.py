@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from snapshotter.layer.index import (
@@ -121,6 +122,14 @@ def build_tree(entries: list[Entry]) -> LayerTree:
     for entry in entries:
         builder.add(entry)
     return builder.finish()
+
+
+def shows_xattrs(entries: Iterable[Entry]) -> bool:
+    """Whether the layer's files may show an extended attribute: an entry
+    has some, or an opaque marker gives its directory trusted.overlay.opaque.
+    (An entry with xattrs that a later one replaces still counts: False is
+    a promise, True only a maybe.)"""
+    return any(e.xattrs or e.name.rpartition("/")[2] == OPAQUE_MARKER for e in entries)
 
 
 def implicit_dirs(entries: list[Entry]) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ import trio
 from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.fs.fusewire.mount import MountOptions
 from snapshotter.fs.fusewire.mount import mount as fuse_mount
-from snapshotter.fs.fusewire.session import Session
+from snapshotter.fs.fusewire.session import Session, SessionConfig
 from snapshotter.fs.layerfs import LayerFS
 from snapshotter.fs.layers import LayerSource, LayerStore
 from snapshotter.fs.reader import LayerReader, RangeFetcher
@@ -191,6 +191,7 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
         maintain: bool = False,
         unpack_whole_layers: bool = False,
         blocks_after_miss: int = 0,
+        getxattr: bool = True,
     ) -> Mounted:
         store = LayerStore(store_dir or tmp_path / "store")
         block_index = BlockIndex(store.block_index_path)
@@ -204,7 +205,7 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
             whole_layer_bytes=whole_layer_bytes,
             cache_max_bytes=cache_max_bytes,
             unload_idle_s=unload_idle_s,
-            mountpoint=mountpoint,
+            mountpoints=[mountpoint],
             unpack_whole_layers=unpack_whole_layers,
             blocks_after_miss=blocks_after_miss,
         )
@@ -212,7 +213,7 @@ def mount_layers(tmp_path: Path) -> Iterator[Callable[..., Mounted]]:
             # Tests read nothing once the layer is whole: no need to wait long.
             ops.unpacker.quiet_s = 0.2
         fd = fuse_mount(mountpoint, MountOptions(fsname="bootseer-test", subtype="bootseer-test"))
-        session = Session(ops, fd)
+        session = Session(ops, fd, SessionConfig(getxattr=getxattr))
 
         tokens: list[trio.lowlevel.TrioToken] = []
 

@@ -302,6 +302,32 @@ def test_a_loaded_layer_answers_in_the_read_loop_and_an_unloaded_one_loads_first
     assert (m.layer(digest) / "etc/b").read_bytes() == b"b\n"
 
 
+def test_a_plain_connection_answers_no_getxattr_and_the_kernel_stops_asking(
+    mount_layers: Callable[..., Mounted], tmp_path: Path
+) -> None:
+    """The plain mount's session answers GETXATTR ENOSYS once; the kernel
+    then fails every later one on the connection by itself, as overlayfs's
+    probes of every lower file it looks up are then. A listing of a file's
+    xattrs is still answered: none, as overlayfs on a disk shows."""
+    store = LayerStore(tmp_path / "store")
+    digest, blob = _layer(store, tmp_path, {"etc/a": b"a\n", "etc/b": b"b\n"})
+    m = mount_layers({digest: blob}, store.root, getxattr=False)
+    etc = m.layer(digest) / "etc"
+
+    def asked() -> float:
+        return metric("bootseer_fs_fuse_requests_total", opcode="getxattr")
+
+    before = asked()
+    for name in ("a", "b", "a"):
+        for xattr in ("trusted.overlay.metacopy", "user.anything"):
+            with pytest.raises(OSError) as exc:
+                os.getxattr(etc / name, xattr)
+            assert exc.value.errno == errno.EOPNOTSUPP
+        assert os.listxattr(etc / name) == []
+    assert asked() - before == 1
+    assert (etc / "a").read_bytes() == b"a\n"
+
+
 def test_a_read_of_cached_bytes_in_the_page_cache_is_answered_in_the_read_loop(
     mount_layers: Callable[..., Mounted], tmp_path: Path
 ) -> None:

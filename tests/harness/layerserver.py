@@ -5,6 +5,7 @@ hosts directory."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from snapshotter.fs.fusewire import handoff
+from snapshotter.fs.settings import FsConfig
 from tests.harness.procs import Daemon, DaemonError, free_tcp_port, pid_alive, start_daemon, wait_until
 from tests.harness.snapshotter import BOOTSEER_BIN
 from tests.harness.tree import unmount_under
@@ -42,6 +44,8 @@ class LazyConfig:
     unpack_whole_layers: bool = False
     # [fs] hot_blocks_publish: "elected" (the code default), "designated", "never".
     hot_blocks_publish: str = "elected"
+    # [fs] plain_mount: layers without xattrs served from the plain mount.
+    plain_mount: bool = True
     # [events]: the node's records go to its own directory (events_dir), not
     # the host's; the product's bounds where these are None.
     events_max_bytes: int | None = None
@@ -63,6 +67,20 @@ class LazyConfig:
     def holder_socket(self) -> Path:
         """Where the layer server's descriptor holder keeps the mount's connection."""
         return self.workdir / "holder.sock"
+
+    @property
+    def fs(self) -> FsConfig:
+        """The `[fs]` paths as the daemons derive the rest from them."""
+        return FsConfig(store=self.store, mountpoint=self.mountpoint, holder_socket=self.holder_socket)
+
+    @property
+    def mountpoints(self) -> tuple[Path, ...]:
+        """The layer mount and, unless turned off, its plain twin (no xattrs)."""
+        return (self.mountpoint, self.fs.plain_mountpoint) if self.plain_mount else (self.mountpoint,)
+
+    @property
+    def holder_sockets(self) -> tuple[Path, Path]:
+        return self.holder_socket, self.fs.plain_holder_socket
 
     @property
     def events_dir(self) -> Path:
@@ -128,6 +146,7 @@ blocks_after_miss = {self.blocks_after_miss}
 background_fetch = {str(self.background_fetch).lower()}
 unpack_whole_layers = {str(self.unpack_whole_layers).lower()}
 hot_blocks_publish = "{self.hot_blocks_publish}"
+plain_mount = {str(self.plain_mount).lower()}
 
 [registry]
 config_path = "{self.certs_dir}"
@@ -156,7 +175,7 @@ class LayerServer:
                 f"bootseer layer-server #{number}",
                 argv,
                 self.config.workdir / f"layer-server.{number}.log",
-                ready=lambda: os.path.ismount(self.config.mountpoint),
+                ready=lambda: all(os.path.ismount(m) for m in self.config.mountpoints),
             )
         )
 
@@ -180,24 +199,25 @@ class LayerServer:
 
     def abandon(self) -> None:
         """The holder lets the connection go with no server to take it: the
-        mount stays and answers ENOTCONN, what a server that died and is
-        never restarted leaves once its keeper gives up."""
-        handoff.drop(self.config.holder_socket)
+        mounts stay and answer ENOTCONN, what a server that died and is
+        never restarted leaves once its keepers give up."""
+        for socket in self.config.holder_sockets:
+            handoff.drop(socket)
 
     def release(self) -> None:
         """The final stop: `bootseer layer-server --release` unmounts and lets
-        the holder go; then the holder the server started is waited for (and
-        killed by its PID if it lingers)."""
-        holder = handoff.holder_alive(self.config.holder_socket)
+        the holders go; then the holders the server started are waited for
+        (and killed by their PIDs if they linger)."""
+        holders = [pid for s in self.config.holder_sockets if (pid := handoff.holder_alive(s)) is not None]
         subprocess.run(
             [str(BOOTSEER_BIN), "layer-server", "--config", str(self.config.path), "--release"],
             check=False,
             capture_output=True,
             timeout=60,
         )
-        if holder is not None:
+        for holder in holders:
             try:
-                wait_until(lambda: not pid_alive(holder), 10, "the descriptor holder to exit")
+                wait_until(functools.partial(_gone, holder), 10, "the descriptor holder to exit")
             except DaemonError:
                 os.kill(holder, signal.SIGKILL)
 
@@ -210,12 +230,17 @@ class LayerServer:
             daemon.kill_group()
         self.release()
         # A killed server's mount answers ENOTCONN, and ismount says False for it.
-        if os.path.ismount(self.config.mountpoint) or _dead_mount(self.config.mountpoint):
-            subprocess.run(["fusermount3", "-u", "-z", str(self.config.mountpoint)], check=False)
+        for mountpoint in (self.config.mountpoint, self.config.fs.plain_mountpoint):
+            if os.path.ismount(mountpoint) or _dead_mount(mountpoint):
+                subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
         leftovers = unmount_under(self.config.workdir)
         if not leftovers:
             shutil.rmtree(self.config.workdir, ignore_errors=True)
         return leftovers
+
+
+def _gone(pid: int) -> bool:
+    return not pid_alive(pid)
 
 
 def _dead_mount(path: Path) -> bool:

@@ -4,7 +4,9 @@ from a real registry."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import random
 import re
 import shutil
@@ -15,13 +17,28 @@ import pytest
 from tests.harness import faultproxy, tree
 from tests.harness.containerd import CtrError
 from tests.harness.images import awkward_layers
-from tests.harness.lazynode import LazyNode
+from tests.harness.lazynode import LazyNode, start_lazy_node, stop_lazy_node
 from tests.harness.oci import Dir, File, ImageBuilder, busybox_layer
 from tests.harness.registry import PASSWORD, USER, AuthRegistry, Registry, start_registry
 
 pytestmark = pytest.mark.integration
 
 REMOTE_LABEL = "containerd.io/snapshot/remote"
+
+
+def _lowers(rootfs: Path) -> list[Path]:
+    """The lower directories of the overlay mounted at `rootfs`, top first,
+    each with the snapshotter's links followed."""
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            fields, _, rest = line.partition(" - ")
+            if fields.split()[4] != str(rootfs):
+                continue
+            options = rest.split()[2].split(",")
+            lowers = [p for o in options if o.startswith("lowerdir=") for p in o.removeprefix("lowerdir=").split(":")]
+            lowers += [o.removeprefix("lowerdir+=") for o in options if o.startswith("lowerdir+=")]
+            return [Path(os.path.realpath(p)) for p in lowers]
+    raise AssertionError(f"nothing is mounted at {rootfs}")
 
 
 def pulled_counts(output: str) -> dict[str, int]:
@@ -55,9 +72,51 @@ def test_lazy_tree_equals_overlayfs(lazy_node: LazyNode, images: ImageBuilder, u
         lazy_tree = tree.walk(c.task_rootfs(f"lazy-{unique}"))
         reference = tree.walk(c.task_rootfs(f"ovl-{unique}"))
         assert lazy_tree == reference, tree.diff(lazy_tree, reference, "lazy", "overlayfs")
+        # Layers without xattrs come from the plain mount, whose kernel side
+        # asks none; the one with xattrs and the one with an opaque
+        # directory from the layer mount (the tree above shows both).
+        config = lazy_node.layers.config
+        served = [lower.parent for lower in _lowers(c.task_rootfs(f"lazy-{unique}"))]
+        plain, full = config.fs.plain_mountpoint, config.mountpoint
+        assert served == [plain, full, full, plain], served
     finally:
         c.remove_container(f"lazy-{unique}")
         c.remove_container(f"ovl-{unique}")
+
+
+def test_with_the_plain_mount_turned_off_every_layer_comes_from_the_layer_mount(
+    registry: Registry, images: ImageBuilder, unique: str
+) -> None:
+    """`[fs] plain_mount = false` and a restart of the layer server: the
+    plain mount the earlier server left goes, and layers without xattrs are
+    served from the layer mount, where getxattr answers ENODATA."""
+    node = start_lazy_node(registry.host)
+    try:
+        config = node.layers.config
+        plain = config.fs.plain_mountpoint
+        assert os.path.ismount(plain)
+        node.layers.stop()
+        config.plain_mount = False
+        config.write()
+        node.layers.start()
+        assert not os.path.ismount(plain)
+        image = images.push(f"lazy/noplain-{unique}", [busybox_layer(), [File("/a", b"a\n")]])
+        node.index(image.ref)
+        node.pull(image.ref)
+        c = node.containerd
+        name = f"noplain-{unique}"
+        c.ctr("run", "-d", "--snapshotter", "bootseer", image.ref, name, "/bin/sleep", "600")
+        try:
+            rootfs = c.task_rootfs(name)
+            assert [lower.parent for lower in _lowers(rootfs)] == [config.mountpoint, config.mountpoint]
+            assert (rootfs / "a").read_bytes() == b"a\n"
+            with pytest.raises(OSError) as exc:
+                os.getxattr(rootfs / "a", "user.x")
+            assert exc.value.errno == errno.ENODATA
+        finally:
+            c.remove_container(name)
+    finally:
+        stop_lazy_node(node)
 
 
 def test_only_what_is_read_is_fetched(lazy_node: LazyNode, images: ImageBuilder, unique: str) -> None:

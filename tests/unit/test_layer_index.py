@@ -28,7 +28,7 @@ from snapshotter.layer.index import (
     chain_ids,
     normalize_name,
 )
-from snapshotter.layer.tree import OPAQUE_XATTR, ROOT, build_tree
+from snapshotter.layer.tree import OPAQUE_XATTR, ROOT, build_tree, shows_xattrs
 from snapshotter.remote import NotLazy, Reason, check_chain, parent_chain_of
 
 
@@ -186,6 +186,13 @@ def test_tree_follows_tar_and_overlay_rules() -> None:
     assert opaque is not None and opaque.xattrs == {OPAQUE_XATTR: b"y"}
     symlink = tree.lookup(ROOT, b"s")
     assert symlink is not None and (symlink.target, symlink.size) == (b"a/b", 3)
+
+
+def test_a_layer_shows_xattrs_through_its_entries_or_an_opaque_marker() -> None:
+    assert not shows_xattrs([entry("", EntryType.DIR, 0o755), entry("a/f"), entry("a/.wh.gone")])
+    assert shows_xattrs([entry("a/f"), entry("o/.wh..wh..opq")])
+    assert shows_xattrs([entry("f", xattrs={"security.capability": b"\x01"})])
+    assert shows_xattrs([entry("", EntryType.DIR, 0o755, xattrs={"user.a": b"1"})])
 
 
 def test_tree_refuses_broken_hardlinks_and_file_parents() -> None:

@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 
 from bootseer.daemon import NOTIFY_SOCKET, Notifier
+from snapshotter.fs.server import layer_mounts
+from snapshotter.fs.settings import FsConfig
 from tests.harness.snapshotter import BOOTSEER_BIN
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,10 +198,12 @@ def test_layer_server_is_protected_from_the_oom_killer() -> None:
 
 
 def test_layer_server_keeps_its_mount_across_restarts() -> None:
-    """systemd keeps the FUSE connection's descriptor, and restarts the
-    server whatever ended it; the unit no longer warns against restarts."""
+    """systemd keeps every FUSE connection's descriptor (the layer mount's
+    and its plain twin's), and restarts the server whatever ended it; the
+    unit no longer warns against restarts."""
     service = unit("bootseer-layer-server.service")["Service"]
-    assert service["FileDescriptorStoreMax"] == ["1"]
+    (store_max,) = service["FileDescriptorStoreMax"]
+    assert int(store_max) == len(layer_mounts(FsConfig()))
     assert service["Restart"] == ["always"]
     assert "lose their files" not in (UNITS_DIR / "bootseer-layer-server.service").read_text()
 

@@ -41,7 +41,7 @@ from snapshotter.layer.index import (
     IndexFormatError,
     LayerIndex,
 )
-from snapshotter.layer.tree import ROOT, LayerTree, Node, build_tree, implicit_dirs
+from snapshotter.layer.tree import ROOT, LayerTree, Node, build_tree, implicit_dirs, shows_xattrs
 
 # Hypothesis keeps no example database in the repository, and examples that
 # build deep trees may take a while: no deadlines.
@@ -340,3 +340,17 @@ def test_the_implicit_directories_are_the_ones_the_tree_builder_made(rows: list[
     for path in tree.implicit_dirs:
         node = _resolve(tree, path)
         assert path and node is not None and node.is_dir, path
+
+
+@FAST
+@given(index_rows(hostile=False))
+def test_a_layer_said_to_show_no_xattrs_has_none_in_its_tree(rows: list[list[Any]]) -> None:
+    """shows_xattrs picks the layers the plain mount (no xattrs at all)
+    serves: where it says none, no node of the tree has one."""
+    index = LayerIndex.decode(blob_of(document(rows)))
+    try:
+        tree = build_tree(index.entries)
+    except IndexFormatError:
+        return
+    if not shows_xattrs(index.entries):
+        assert not any(node.xattrs for node in tree.nodes.values())

@@ -2,7 +2,8 @@
 server stops.
 
 At start (`acquire`), in this order: the descriptor systemd kept
-(LISTEN_FDNAMES has "fuse"), the one the holder keeps, else a fresh mount.
+(LISTEN_FDNAMES has the connection's name, "fuse" for the layer mount), the
+one the holder keeps, else a fresh mount.
 The first two are takeovers: the connection is already initialised, the
 session must not expect INIT and asks the kernel to resend what the dead
 process left unanswered. After a fresh mount, `keep` hands a copy to
@@ -44,6 +45,8 @@ class Connection:
     mountpoint: Path
     # "systemd", "holder" or "mount" (fresh).
     source: str
+    # Its name in systemd's descriptor store.
+    name: str = handoff.FDNAME
 
     @property
     def takeover(self) -> bool:
@@ -131,14 +134,16 @@ def acquire(
     *,
     holder_socket: Path | None = None,
     environ: Mapping[str, str] | None = None,
+    name: str = handoff.FDNAME,
 ) -> Connection:
-    """The connection to serve: systemd's, else the holder's, else new."""
-    fd = handoff.from_systemd(environ)
+    """The connection to serve: systemd's (stored as `name`), else the
+    holder's, else new."""
+    fd = handoff.from_systemd(environ, name)
     if fd is not None:
         if _usable(fd, mountpoint, options, "systemd"):
             prepare_descriptor(fd)
             log.info("took the FUSE connection over from systemd", mountpoint=str(mountpoint), fd=fd)
-            return Connection(fd, mountpoint, "systemd")
+            return Connection(fd, mountpoint, "systemd", name)
         os.close(fd)
     if holder_socket is not None:
         held = handoff.get(holder_socket)
@@ -146,11 +151,11 @@ def acquire(
             if _usable(held.fd, mountpoint, options, "holder"):
                 prepare_descriptor(held.fd)
                 log.info("took the FUSE connection over from the holder", mountpoint=str(mountpoint), fd=held.fd)
-                return Connection(held.fd, mountpoint, "holder")
+                return Connection(held.fd, mountpoint, "holder", name)
             os.close(held.fd)
     clear_stale_mount(mountpoint, options)
     mountpoint.mkdir(parents=True, exist_ok=True)
-    return Connection(mount(mountpoint, options), mountpoint, "mount")
+    return Connection(mount(mountpoint, options), mountpoint, "mount", name)
 
 
 def keep(
@@ -167,7 +172,11 @@ def keep(
     if conn.takeover:
         # The keeper that handed it over still has its copy.
         return conn.source
-    if notify is not None and handoff.systemd_store_size(environ) != 0 and handoff.store_in_systemd(notify, conn.fd):
+    if (
+        notify is not None
+        and handoff.systemd_store_size(environ) != 0
+        and handoff.store_in_systemd(notify, conn.fd, conn.name)
+    ):
         log.info("the FUSE connection is kept in systemd's descriptor store")
         return "systemd"
     if holder_socket is not None:
@@ -205,7 +214,7 @@ def release(
     if unmount_it:
         unmount(conn.mountpoint, lazy=True)
     if notify is not None:
-        handoff.remove_from_systemd(notify)
+        handoff.remove_from_systemd(notify, conn.name)
     if holder_socket is not None:
         handoff.drop(holder_socket)
     os.close(conn.fd)

@@ -5,8 +5,9 @@ A FUSE connection lives as long as some process holds its descriptor. Two
 keepers, tried in this order at start (docs/fuse-failover.md):
 
 1. systemd's file descriptor store: the server pushes the descriptor with
-   FDSTORE=1 and FDNAME=fuse once it has mounted; on every later start of
-   the unit systemd passes it back (LISTEN_FDS, LISTEN_FDNAMES).
+   FDSTORE=1 and FDNAME=<the connection's name> (FDNAME, "fuse", for the
+   layer mount) once it has mounted; on every later start of the unit
+   systemd passes it back (LISTEN_FDS, LISTEN_FDNAMES).
 2. A holder process (holder.py) listening on a unix socket: the server puts
    the descriptor there once it has mounted and gets it back at start.
 
@@ -80,21 +81,21 @@ def systemd_store_size(environ: Mapping[str, str] | None = None) -> int | None:
         return None
 
 
-def store_in_systemd(notify: Notify, fd: int) -> bool:
-    """Hand systemd a copy of the descriptor (the unit needs
-    FileDescriptorStoreMax= >= 1). A second push under the same name adds
-    a second entry, so a process that took the descriptor from systemd
-    does not push it again."""
-    return notify("FDSTORE=1", f"FDNAME={FDNAME}", fds=[fd])
+def store_in_systemd(notify: Notify, fd: int, name: str = FDNAME) -> bool:
+    """Hand systemd a copy of the descriptor under `name` (the unit's
+    FileDescriptorStoreMax= must hold every connection it keeps). A second
+    push under the same name adds a second entry, so a process that took
+    the descriptor from systemd does not push it again."""
+    return notify("FDSTORE=1", f"FDNAME={name}", fds=[fd])
 
 
-def remove_from_systemd(notify: Notify) -> bool:
+def remove_from_systemd(notify: Notify, name: str = FDNAME) -> bool:
     """Final shutdown: systemd closes its copy, so the connection can go."""
-    return notify("FDSTOREREMOVE=1", f"FDNAME={FDNAME}")
+    return notify("FDSTOREREMOVE=1", f"FDNAME={name}")
 
 
-def from_systemd(environ: Mapping[str, str] | None = None) -> int | None:
-    """The descriptor systemd passed back under FDNAME=fuse, if any: only
+def from_systemd(environ: Mapping[str, str] | None = None, name: str = FDNAME) -> int | None:
+    """The descriptor systemd passed back under FDNAME=`name`, if any: only
     when LISTEN_PID names this process (the variables are not ours
     otherwise). Other passed descriptors are left alone."""
     env = os.environ if environ is None else environ
@@ -106,7 +107,7 @@ def from_systemd(environ: Mapping[str, str] | None = None) -> int | None:
         return None
     names = env.get("LISTEN_FDNAMES", "").split(":") if env.get("LISTEN_FDNAMES") else []
     for i in range(count):
-        if i < len(names) and names[i] == FDNAME:
+        if i < len(names) and names[i] == name:
             fd = SD_LISTEN_FDS_START + i
             os.set_inheritable(fd, False)
             return fd

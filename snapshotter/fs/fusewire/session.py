@@ -83,6 +83,12 @@ class SessionConfig:
     # Listings carry each entry's attributes (READDIRPLUS), so the kernel
     # does not look up, one by one, the names it has just listed.
     readdirplus: bool = True
+    # False: GETXATTR answers ENOSYS, which the kernel remembers for the
+    # connection's life (EOPNOTSUPP from then on, without asking): for a
+    # mount whose files have no extended attributes, on which overlayfs
+    # would otherwise probe every file it looks up. LISTXATTR is still
+    # answered (an empty list), as overlayfs on a disk would.
+    getxattr: bool = True
 
     @property
     def buffer_size(self) -> int:
@@ -226,6 +232,8 @@ class Session:
             Opcode.LISTXATTR: self._listxattr_now,
             Opcode.READ: self._read_now,
         }
+        if not self.config.getxattr:
+            del self._handlers[Opcode.GETXATTR], self._now[Opcode.GETXATTR]
 
     # -- the loop -------------------------------------------------------------
 
