@@ -102,6 +102,10 @@ SWEEP_S = 2.0
 # Without unloading (unload_idle_s = 0) a layer counts as used by a
 # container, for eviction's order, this long after its last request.
 IN_USE_S = 300.0
+# A statfs answer is given again, in the read loop, for this long: kubelet
+# polls the image filesystem every 10 s, a container start asks a dozen
+# times within a second.
+STATFS_FRESH_S = 1.0
 # How often the block index learns when blocks were last read.
 LAST_READS_S = 60.0
 # A reader opened ahead of its layer's load (fs/control.py, OPEN_PREFIX) is
@@ -400,6 +404,8 @@ class LayerFS(fuse.Operations):
         self.image_bytes = metrics.ImageBytes()
         # Set while the layer store's filesystem cannot answer statfs (logged once).
         self.statfs_error: str | None = None
+        # The last statfs answer and when it was made (time.monotonic()).
+        self._statfs: tuple[float, fuse.StatvfsData] | None = None
 
     def _access(self, layer: str, block: int) -> None:
         if self.events is not None:
@@ -1000,6 +1006,7 @@ class LayerFS(fuse.Operations):
                     error=str(exc),
                 )
             self.statfs_error = str(exc)
+            self._statfs = None
             return self._layers_statfs()
         if self.statfs_error is not None:
             log.info("the layer store's filesystem answers statfs again", store=str(self.store.root))
@@ -1009,7 +1016,18 @@ class LayerFS(fuse.Operations):
         data.f_blocks, data.f_bfree, data.f_bavail = st.f_blocks, st.f_bfree, st.f_bavail
         data.f_files, data.f_ffree, data.f_favail = st.f_files, st.f_ffree, st.f_favail
         data.f_namemax = st.f_namemax
+        self._statfs = (time.monotonic(), data)
         return data
+
+    @_guarded_now
+    def statfs_now(self, ctx: fuse.RequestContext) -> fuse.StatvfsData:
+        """The answer of a statfs at most STATFS_FRESH_S old. Overlayfs asks
+        every lower layer's at each mount (a container start: two mounts of
+        each of its layers, one after another), each a thread hop queued
+        behind whatever the worker threads do."""
+        if self._statfs is not None and time.monotonic() - self._statfs[0] < STATFS_FRESH_S:
+            return self._statfs[1]
+        raise fuse.NotNow
 
     def _layers_statfs(self) -> fuse.StatvfsData:
         data = fuse.StatvfsData()

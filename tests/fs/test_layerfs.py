@@ -303,7 +303,15 @@ def test_every_fuse_operation_is_guarded() -> None:
     ]
     assert {"lookup", "getattr", "readdir", "read", "forget", "statfs"} <= set(handlers)
     now = [name for name in vars(LayerFS) if name in vars(fusewire.Operations) and name.endswith("_now")]
-    assert {"lookup_now", "getattr_now", "readlink_now", "getxattr_now", "listxattr_now", "read_now"} == set(now)
+    assert {
+        "lookup_now",
+        "getattr_now",
+        "readlink_now",
+        "getxattr_now",
+        "listxattr_now",
+        "statfs_now",
+        "read_now",
+    } == set(now)
     assert [name for name in handlers + now if not hasattr(getattr(LayerFS, name), "__wrapped__")] == []
 
 
@@ -454,12 +462,30 @@ def test_statfs_is_the_layer_store_filesystem(
     mounted = os.statvfs(m.mountpoint)
     assert mounted.f_blocks * mounted.f_frsize == 16 << 20 and mounted.f_bavail > 0
     # Less room on the store is less room on the mount: what kubelet's image
-    # garbage collection goes by.
+    # garbage collection goes by, within the second an answer is given again.
     filler = fill(disk, leave=1 << 20)
-    assert _statfs(m.mountpoint) == _statfs(disk)
+    wait_until(lambda: _statfs(m.mountpoint) == _statfs(disk), 10, "the mount to show the fuller disk")
     assert os.statvfs(m.mountpoint).f_bavail < mounted.f_bavail
     filler.unlink()
-    assert _statfs(m.mountpoint) == _statfs(disk)
+    wait_until(lambda: _statfs(m.mountpoint) == _statfs(disk), 10, "the mount to show the emptier disk")
+
+
+def test_a_statfs_is_answered_again_in_the_read_loop(mount_layers: Callable[..., Mounted], tmp_path: Path) -> None:
+    """Overlayfs asks each lower layer's statfs at every mount: right after
+    one, the same answer comes from the read loop, no thread hop."""
+    store_dir = tmp_path / "store"
+    blob = make_layer([(info("ok", size=5), b"hello")])
+    digest = add_layer(LayerStore(store_dir), tmp_path, blob, SPAN)
+    m = mount_layers({digest: Blob(blob)}, store_dir)
+
+    def answered_now() -> float:
+        return metric("bootseer_fs_fuse_requests_answered_now_total", opcode="statfs")
+
+    first = os.statvfs(m.layer(digest))
+    before = answered_now()
+    again = [os.statvfs(m.layer(digest)) for _ in range(5)]
+    assert answered_now() - before >= 4
+    assert all(st.f_blocks == first.f_blocks and st.f_namemax == first.f_namemax for st in again)
 
 
 def test_statfs_follows_a_busy_disk(mount_layers: Callable[..., Mounted], tmp_path: Path) -> None:
@@ -486,14 +512,17 @@ def test_statfs_answers_when_the_store_cannot(mount_layers: Callable[..., Mounte
     digest = add_layer(LayerStore(store_dir), tmp_path, blob, SPAN)
     m = mount_layers({digest: Blob(blob)}, store_dir)
     assert (m.layer(digest) / "weights").stat().st_size == len(data)
-    # The store's directory is gone from under the server (its open files stay).
+    # The store's directory is gone from under the server (its open files
+    # stay); the last answer is given again for up to a second.
     store_dir.rename(tmp_path / "moved")
     try:
+        wait_until(lambda: os.statvfs(m.mountpoint).f_bavail == 0, 10, "the mount's answer without its store")
         st = os.statvfs(m.mountpoint)
     finally:
         (tmp_path / "moved").rename(store_dir)
     # overlayfs needs an answer: what the served layers hold, no room left.
     assert st.f_bsize == 4096 and st.f_blocks >= len(data) // 4096
     assert st.f_bfree == st.f_bavail == 0
-    # Back in place: the real filesystem again.
+    # Back in place: the real filesystem again, at once (a fallback answer
+    # is never given again).
     assert os.statvfs(m.mountpoint).f_blocks == os.statvfs(store_dir).f_blocks

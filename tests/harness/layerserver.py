@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bootseer.daemon import HEALTH_PATH
 from snapshotter.fs.fusewire import handoff
 from snapshotter.fs.settings import FsConfig
 from tests.harness.procs import Daemon, DaemonError, free_tcp_port, pid_alive, start_daemon, wait_until
@@ -175,9 +176,18 @@ class LayerServer:
                 f"bootseer layer-server #{number}",
                 argv,
                 self.config.workdir / f"layer-server.{number}.log",
-                ready=lambda: all(os.path.ismount(m) for m in self.config.mountpoints),
+                ready=self.healthy,
             )
         )
+
+    def healthy(self) -> bool:
+        """Ready, as systemd would be told (READY=1): every mount initialised
+        and answering, which /healthz says with a 200."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.config.metrics_port}{HEALTH_PATH}", timeout=5):
+                return True
+        except OSError:
+            return False
 
     def metric(self, name: str) -> float:
         """A counter or gauge from the server's Prometheus endpoint (0 if absent)."""

@@ -20,7 +20,7 @@ Differences that matter (docs/fuse-failover.md has the protocol subset):
 - `lookup` may return attributes with st_ino 0: a negative entry the
   kernel keeps for entry_timeout (as pyfuse3 allows).
 - Beyond pyfuse3: `lookup_now`, `getattr_now`, `readlink_now`,
-  `getxattr_now`, `listxattr_now` and `read_now` answer a request at
+  `getxattr_now`, `listxattr_now`, `statfs_now` and `read_now` answer a request at
   once, in the session's read loop, when nothing needs waiting for; or
   raise NotNow, and the request goes to the async method as a task. Most
   requests of a start are such lookups and xattr probes (overlayfs asks
@@ -203,6 +203,9 @@ class Operations:
         raise NotNow
 
     def listxattr_now(self, inode: int, ctx: RequestContext) -> Sequence[bytes]:
+        raise NotNow
+
+    def statfs_now(self, ctx: RequestContext) -> StatvfsData:
         raise NotNow
 
     def read_now(self, fh: int, off: int, size: int) -> bytes:

@@ -230,6 +230,7 @@ class Session:
             Opcode.READLINK: self._readlink_now,
             Opcode.GETXATTR: self._getxattr_now,
             Opcode.LISTXATTR: self._listxattr_now,
+            Opcode.STATFS: self._statfs_now,
             Opcode.READ: self._read_now,
         }
         if not self.config.getxattr:
@@ -586,6 +587,9 @@ class Session:
 
     async def _statfs(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
         return [_statfs_out(await self.ops.statfs(ctx))]
+
+    def _statfs_now(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
+        return [_statfs_out(self.ops.statfs_now(ctx))]
 
     async def _getxattr(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
         size, _ = protocol.GETXATTR_IN.unpack_from(body)
