@@ -40,6 +40,7 @@ import structlog
 
 from snapshotter import labels, parents
 from snapshotter.fs import control
+from snapshotter.fs.fusewire.connection import mounted_fstype
 from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
 from snapshotter.labels import RemoteLayerLabels
 from snapshotter.layer.artifact import index_blobs
@@ -325,7 +326,9 @@ class RemoteLayers:
         then never asks), else the layer mount. A layer server from before
         the plain mount has none: the layer mount then."""
         plain = self.plain_mountpoint
-        if plain is not None and not shows_xattrs(index.entries) and os.path.ismount(plain):
+        # From the mount table, not a stat: that would be a round trip to a
+        # layer server busy loading the layers above this one.
+        if plain is not None and not shows_xattrs(index.entries) and mounted_fstype(plain) is not None:
             return plain
         return self.mountpoint
 
