@@ -325,23 +325,29 @@ class RemoteLayers:
         """The plain mount for a layer whose files show no xattr (overlayfs
         then never asks), else the layer mount. A layer server from before
         the plain mount has none: the layer mount then."""
-        plain = self.plain_mountpoint
+        if not shows_xattrs(index.entries) and self._plain_up():
+            assert self.plain_mountpoint is not None
+            return self.plain_mountpoint
+        return self.mountpoint
+
+    def _plain_up(self) -> bool:
         # From the mount table, not a stat: that would be a round trip to a
         # layer server busy loading the layers above this one.
-        if plain is not None and not shows_xattrs(index.entries) and mounted_fstype(plain) is not None:
-            return plain
-        return self.mountpoint
+        return self.plain_mountpoint is not None and mounted_fstype(self.plain_mountpoint) is not None
 
     def files_of(self, layer_digest: str, served: Path | None) -> Path:
         """Where a layer's files are for a mount made now: the local copy
         the layer server wrote once the layer was whole (fs/unpack.py), or
-        where its Prepare found it in a layer mount (`served`; None: the
-        layer mount)."""
+        the plain mount if its Prepare found it there (`served`) and the
+        plain mount is still up, else the layer mount, which shows every
+        layer as it is."""
         name = layer_name(layer_digest)
         tree = self.store.tree_path(name)
         if tree.is_dir():
             return tree
-        return served if served is not None else self.mountpoint / name
+        if served is not None and served.parent == self.plain_mountpoint and self._plain_up():
+            return served
+        return self.mountpoint / name
 
     def _stored(
         self, ref: Reference, manifest_digest: str, layer_digest: str, own: bool, below: _IndexFetch | None = None

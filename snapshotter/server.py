@@ -76,9 +76,8 @@ def _remote_layers(
 
         return client_from_config(registry)
 
-    return RemoteLayers(
-        LayerStore(fs.store), fs.mountpoint, client, fs.layer_gc_grace_s, index_trust, fs.plain_mountpoint
-    )
+    plain = fs.plain_mountpoint if fs.plain_mount else None
+    return RemoteLayers(LayerStore(fs.store), fs.mountpoint, client, fs.layer_gc_grace_s, index_trust, plain)
 
 
 def _cri_proxy(cri: CriConfig, registry: RegistryConfig) -> CriProxy | None:

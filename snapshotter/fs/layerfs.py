@@ -118,9 +118,12 @@ _LAYER_NAME = re.compile(r"[0-9a-f]{64}")
 
 
 def mounted_layers(mountpoints: Sequence[Path]) -> set[str]:
-    """Layers some mount in this mount namespace uses: named in an overlay's
-    options (lowerdir=MOUNTPOINT/<layer>:...) or bind-mounted from a layer
-    mount (a view of one layer: a FUSE mount whose root is /<layer>)."""
+    """Layers some mount in this mount namespace uses: an overlay's lower
+    directory in one of `mountpoints` (lowerdir=MOUNTPOINT/<layer>:..., or
+    the snapshotter's link to it, which is what its overlays name) or a
+    bind mount from a layer mount (a view of one layer: a FUSE mount whose
+    root is /<layer>). Links are read, never followed: a stat through a
+    layer mount could wait for this very server."""
     prefixes = "|".join(re.escape(str(m).rstrip("/") + "/") for m in mountpoints)
     named = re.compile(f"(?:{prefixes})" + r"([0-9a-f]{64})")
     layers: set[str] = set()
@@ -128,11 +131,25 @@ def mounted_layers(mountpoints: Sequence[Path]) -> set[str]:
         for line in mountinfo:
             layers.update(named.findall(line))
             fields = line.split(" - ", 1)
-            if len(fields) == 2 and fields[1].startswith("fuse"):
+            if len(fields) != 2:
+                continue
+            if fields[1].startswith("overlay "):
+                for lower in _lowerdirs(fields[1]):
+                    with contextlib.suppress(OSError):
+                        layers.update(named.findall(os.readlink(lower)))
+            elif fields[1].startswith("fuse"):
                 root = _LAYER_ROOT.match(fields[0].split()[3])
                 if root is not None:
                     layers.add(root.group(1))
     return layers
+
+
+def _lowerdirs(fs_fields: str) -> list[str]:
+    """The lower directories an overlay's mountinfo options name."""
+    parts = fs_fields.split()
+    options = parts[2].split(",") if len(parts) > 2 else []
+    lowers = [d for o in options if o.startswith("lowerdir=") for d in o.removeprefix("lowerdir=").split(":")]
+    return lowers + [o.removeprefix("lowerdir+=") for o in options if o.startswith("lowerdir+=")]
 
 
 def _release_memory() -> None:

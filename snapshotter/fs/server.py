@@ -38,7 +38,7 @@ from snapshotter.fs.fusewire.connection import Connection, MountpointBusy
 from snapshotter.fs.fusewire.handoff import Notify
 from snapshotter.fs.fusewire.mount import MountOptions, unmount
 from snapshotter.fs.fusewire.session import Session, SessionConfig
-from snapshotter.fs.layerfs import LayerFS
+from snapshotter.fs.layerfs import LayerFS, mounted_layers
 from snapshotter.fs.layers import LayerSource, LayerStore
 from snapshotter.fs.reader import BoundedFetcher, RangeFetcher
 from snapshotter.fs.settings import FsConfig, cache_cap
@@ -65,7 +65,7 @@ KEEPER_CHECK_S = 5.0
 # A graceful stop answers the requests already read for at most this long.
 DRAIN_S = 10.0
 
-__all__ = ["MountpointBusy", "release", "serve"]
+__all__ = ["LayerMount", "MountpointBusy", "layer_mounts", "release", "serve"]
 
 
 # The event loop answers the kernel while worker threads load layer indexes
@@ -97,11 +97,19 @@ def layer_mounts(fs: FsConfig) -> tuple[LayerMount, LayerMount]:
 
 
 def _served_mounts(fs: FsConfig, notify: Notify | None) -> tuple[LayerMount, ...]:
-    """The mounts to serve; with `[fs] plain_mount` off, a plain mount an
-    earlier server left is released (its layers are the layer mount's too,
-    and the snapshotter serves from there while no plain mount is up)."""
+    """The mounts to serve. With `[fs] plain_mount` off (the snapshotter
+    then hands out the layer mount only), a plain mount an earlier server
+    left is released, unless running containers still read from it: it is
+    served until a start finds it unused, or their reads would fail."""
     main, plain = layer_mounts(fs)
     if fs.plain_mount:
+        return main, plain
+    if mounted_layers([plain.mountpoint]):
+        log.warning(
+            "[fs] plain_mount is off, but running containers read from the plain mount: "
+            "serving it until a start finds it unused",
+            mountpoint=str(plain.mountpoint),
+        )
         return main, plain
     kept = handoff.from_systemd(name=plain.fdname)
     if kept is not None:

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from snapshotter.fs.fusewire.connection import mounted_fstype
 from tests.harness import faultproxy, tree
 from tests.harness.containerd import CtrError
 from tests.harness.images import awkward_layers
 from tests.harness.lazynode import LazyNode, start_lazy_node, stop_lazy_node
 from tests.harness.oci import Dir, File, ImageBuilder, busybox_layer
 from tests.harness.registry import PASSWORD, USER, AuthRegistry, Registry, start_registry
+from tests.harness.tree import drop_page_cache
 
 pytestmark = pytest.mark.integration
 
@@ -84,37 +86,53 @@ def test_lazy_tree_equals_overlayfs(lazy_node: LazyNode, images: ImageBuilder, u
         c.remove_container(f"ovl-{unique}")
 
 
-def test_with_the_plain_mount_turned_off_every_layer_comes_from_the_layer_mount(
+def test_the_plain_mount_turned_off_serves_its_containers_until_none_is_left(
     registry: Registry, images: ImageBuilder, unique: str
 ) -> None:
-    """`[fs] plain_mount = false` and a restart of the layer server: the
-    plain mount the earlier server left goes, and layers without xattrs are
-    served from the layer mount, where getxattr answers ENODATA."""
+    """`[fs] plain_mount = false` and a restart of both daemons: a container
+    that reads from the plain mount keeps reading, new ones get every layer
+    from the layer mount (getxattr answers ENODATA there), the layers they
+    share with it included, and the first start that finds the plain mount
+    unused releases it."""
     node = start_lazy_node(registry.host)
     try:
-        config = node.layers.config
+        config, c = node.layers.config, node.containerd
         plain = config.fs.plain_mountpoint
-        assert os.path.ismount(plain)
+        before = images.push(f"lazy/plain-{unique}", [busybox_layer(), [File("/a", b"a\n")]])
+        node.index(before.ref)
+        node.pull(before.ref)
+        old = f"plain-{unique}"
+        c.ctr("run", "-d", "--snapshotter", "bootseer", before.ref, old, "/bin/sleep", "600")
+        assert [lower.parent for lower in _lowers(c.task_rootfs(old))] == [plain, plain]
+
         node.layers.stop()
         config.plain_mount = False
         config.write()
         node.layers.start()
-        assert not os.path.ismount(plain)
-        image = images.push(f"lazy/noplain-{unique}", [busybox_layer(), [File("/a", b"a\n")]])
-        node.index(image.ref)
-        node.pull(image.ref)
-        c = node.containerd
-        name = f"noplain-{unique}"
-        c.ctr("run", "-d", "--snapshotter", "bootseer", image.ref, name, "/bin/sleep", "600")
+        node.snapshotter.restart()
+        c.wait_snapshotter()
+        drop_page_cache()
+        assert c.exec(old, "cat-a", "/bin/cat", "/a") == "a\n"
+
+        after = images.push(f"lazy/noplain-{unique}", [busybox_layer(), [File("/b", b"b\n")]])
+        node.index(after.ref)
+        node.pull(after.ref)
+        new = f"noplain-{unique}"
+        c.ctr("run", "-d", "--snapshotter", "bootseer", after.ref, new, "/bin/sleep", "600")
         try:
-            rootfs = c.task_rootfs(name)
+            rootfs = c.task_rootfs(new)
             assert [lower.parent for lower in _lowers(rootfs)] == [config.mountpoint, config.mountpoint]
-            assert (rootfs / "a").read_bytes() == b"a\n"
+            assert (rootfs / "b").read_bytes() == b"b\n"
             with pytest.raises(OSError) as exc:
-                os.getxattr(rootfs / "a", "user.x")
+                os.getxattr(rootfs / "b", "user.x")
             assert exc.value.errno == errno.ENODATA
         finally:
-            c.remove_container(name)
+            c.remove_container(new)
+
+        c.remove_container(old)
+        node.layers.stop()
+        node.layers.start()
+        assert mounted_fstype(plain) is None
     finally:
         stop_lazy_node(node)
 
