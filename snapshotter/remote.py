@@ -325,15 +325,15 @@ class RemoteLayers:
         """The plain mount for a layer whose files show no xattr (overlayfs
         then never asks), else the layer mount. A layer server from before
         the plain mount has none: the layer mount then."""
-        if not shows_xattrs(index.entries) and self._plain_up():
-            assert self.plain_mountpoint is not None
-            return self.plain_mountpoint
-        return self.mountpoint
+        plain = self._plain_up()
+        return plain if plain is not None and not shows_xattrs(index.entries) else self.mountpoint
 
-    def _plain_up(self) -> bool:
-        # From the mount table, not a stat: that would be a round trip to a
-        # layer server busy loading the layers above this one.
-        return self.plain_mountpoint is not None and mounted_fstype(self.plain_mountpoint) is not None
+    def _plain_up(self) -> Path | None:
+        """The plain mount if it is in use and mounted. From the mount
+        table, not a stat: that would be a round trip to a layer server
+        busy loading the layers above this one."""
+        plain = self.plain_mountpoint
+        return plain if plain is not None and mounted_fstype(plain) is not None else None
 
     def files_of(self, layer_digest: str, served: Path | None) -> Path:
         """Where a layer's files are for a mount made now: the local copy
@@ -345,7 +345,7 @@ class RemoteLayers:
         tree = self.store.tree_path(name)
         if tree.is_dir():
             return tree
-        if served is not None and served.parent == self.plain_mountpoint and self._plain_up():
+        if served is not None and served.parent == self._plain_up():
             return served
         return self.mountpoint / name
 

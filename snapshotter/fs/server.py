@@ -111,9 +111,6 @@ def _served_mounts(fs: FsConfig, notify: Notify | None) -> tuple[LayerMount, ...
             mountpoint=str(plain.mountpoint),
         )
         return main, plain
-    kept = handoff.from_systemd(name=plain.fdname)
-    if kept is not None:
-        connection.release(Connection(kept, plain.mountpoint, "systemd", plain.fdname), notify=notify)
     _release(plain, notify)
     return (main,)
 
@@ -235,6 +232,11 @@ def release(fs: FsConfig, notify: Notify | None = None) -> None:
 
 
 def _release(m: LayerMount, notify: Notify | None) -> None:
+    """Unmount `m` and have its keepers let go: systemd's copy (when passed
+    to this process) and the holder's; kept by neither, just unmount."""
+    kept = handoff.from_systemd(name=m.fdname)
+    if kept is not None:
+        connection.release(Connection(kept, m.mountpoint, "systemd", m.fdname), notify=notify)
     held = handoff.get(m.holder_socket)
     if held is not None:
         connection.release(
