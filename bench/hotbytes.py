@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.harness.containerd import Containerd
+from tests.harness.containerd import Containerd, CtrError
 from tests.harness.oci import ImageLayout
 from tests.harness.tree import drop_page_cache
 
@@ -314,7 +314,12 @@ def _lower_dirs(c: Containerd, layout: ImageLayout) -> list[Path]:
     try:
         mounts = json.loads(out)
     finally:
-        c.ctr("snapshots", "--snapshotter", "overlayfs", "rm", key)
+        try:
+            c.ctr("snapshots", "--snapshotter", "overlayfs", "rm", key)
+        except CtrError as exc:
+            # containerd's garbage collector may have taken the unleased view already.
+            if "not found" not in exc.result.stderr:
+                raise
     mount = {k.lower(): v for k, v in mounts[0].items()}
     lower = [o.removeprefix("lowerdir=") for o in mount.get("options") or [] if o.startswith("lowerdir=")]
     dirs = [Path(d) for d in lower[0].split(":")][::-1] if lower else [Path(mount["source"])]

@@ -38,6 +38,7 @@ run per mode; `--modes`, `--link`, `--runs` to pick).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -514,6 +515,13 @@ def _link_results(
         for name, mode_summary in summary.items():
             if name != "warm":
                 mode_summary["excess_over_warm_s"] = timeline.waits_vs_warm(mode_summary["breakdown_s"], warm)
+    cpus = os.cpu_count() or 1
+    for mode_summary in summary.values():
+        if "cpu_s" in mode_summary:
+            mode_summary["cpu_floor_s"] = round(timeline.cpu_floor_s(mode_summary["cpu_s"], cpus), 2)
+            mode_summary["node_cpu_floor_s"] = round(
+                timeline.cpu_floor_s(mode_summary["cpu_s"], cpus, timeline.OFF_NODE_ROLES), 2
+            )
     return {
         "link": {
             "name": spec.name,
@@ -589,9 +597,15 @@ def _closing_note(ratios: dict[str, float | None], summary: dict[str, dict], tar
             if ls
             else ""
         )
+        floor = (
+            f"; its processes' CPU alone needs {s['cpu_floor_s']:.2f} s with every core busy throughout "
+            f"({s['node_cpu_floor_s']:.2f} s without the registry's and the link proxy's)"
+            if "cpu_floor_s" in s
+            else ""
+        )
         notes.append(
             f"{key} = {measured} misses the target {target}: pull {sum(pull.values()):.2f} s {pull}; "
-            f"the segment furthest above warm is '{worst[0]}' (+{worst[1]:.2f} s){fetch}"
+            f"the segment furthest above warm is '{worst[0]}' (+{worst[1]:.2f} s){fetch}{floor}"
         )
     return notes
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import re
 import statistics
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 # The training-start script's marks, in order; each ends the segment named here.
@@ -135,6 +136,19 @@ def summarise(runs: list[Run]) -> dict[str, object]:
     if busy:
         out["busy_cores"] = round(_median(busy), 2)
     return out
+
+
+# The benchmark's stand-ins for the network (the registry, the link's delay
+# proxy) run on the measured machine; on a node, their CPU is another's.
+OFF_NODE_ROLES = ("registry", "link_proxy")
+
+
+def cpu_floor_s(cpu_s: Mapping[str, float], cpus: int, exclude: Iterable[str] = ()) -> float:
+    """The shortest a start could take on `cpus` cores, given the CPU
+    seconds its processes (`cpu_s`, by role, less those in `exclude`)
+    used: every core busy from its first moment to its last."""
+    skip = set(exclude)
+    return sum(seconds for role, seconds in cpu_s.items() if role not in skip) / cpus
 
 
 def limit_s(warm_s: float, hot_bytes: int, bytes_per_s: float) -> float:

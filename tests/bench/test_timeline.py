@@ -112,3 +112,10 @@ def test_ratios_against_the_peer_and_the_limits() -> None:
     # A mode not run leaves its ratios empty, not zero.
     assert r["lazy_vs_overlayfs"] is None
     assert timeline.ratios({}, {}, None, None)["prefetch_vs_strict_limit"] is None
+
+
+def test_the_cpu_floor_spreads_every_process_cpu_over_the_cores() -> None:
+    cpu_s = {"layer_server": 3.5, "containers": 2.3, "registry": 0.8, "link_proxy": 0.5, "snapshotter": 0.5}
+    assert timeline.cpu_floor_s(cpu_s, 2) == 3.8
+    # The registry and the delay proxy stand in for the network: on a node their CPU is not the node's.
+    assert timeline.cpu_floor_s(cpu_s, 2, timeline.OFF_NODE_ROLES) == 3.15
