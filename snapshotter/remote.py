@@ -345,7 +345,8 @@ class RemoteLayers:
         tree = self.store.tree_path(name)
         if tree.is_dir():
             return tree
-        if served is not None and served.parent == self._plain_up():
+        # The mount table only for a lower the plain mount served.
+        if served is not None and served.parent == self.plain_mountpoint and self._plain_up() is not None:
             return served
         return self.mountpoint / name
 
