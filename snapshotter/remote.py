@@ -204,6 +204,9 @@ class _IndexFetch:
     # Set once the layer server was asked to load the layer (or the fetch
     # ended without it): the fetch of the layer above waits for it.
     preloaded: threading.Event
+    # Set if the layer server then showed the layer (it loaded it) and the
+    # image was told of it: the Prepare need not ask either again.
+    shown: threading.Event
     settled_at: float | None = None
     generation: str | None = None
 
@@ -308,6 +311,15 @@ class RemoteLayers:
         if implicit and (why := parents.differing(implicit, wanted.lowers)):
             raise NotLazy(Reason.IMPLICIT_DIRS, why)
         path = self._mount_for(index) / name
+        # Each is a round trip to a layer server busy loading the layers
+        # above: asked again only if the fetch did not get both answers.
+        if not mine.shown.is_set():
+            self._show(name, path)
+            self._announce(ref, manifest_digest, layer_digest)
+        return LazyLayer(path=path, index=index)
+
+    def _show(self, name: str, path: Path) -> None:
+        """Have the layer server load the layer; NotLazy if it does not show it."""
         try:
             shown = control.lookup(self.mountpoint, name)
         except OSError as exc:
@@ -318,8 +330,6 @@ class RemoteLayers:
             ) from None
         if not shown:
             raise NotLazy(Reason.LAYER_REFUSED, f"the layer server does not show layer {name} at {path}")
-        self._announce(ref, manifest_digest, layer_digest)
-        return LazyLayer(path=path, index=index)
 
     def _mount_for(self, index: LayerIndex) -> Path:
         """The plain mount for a layer whose files show no xattr (overlayfs
@@ -374,12 +384,12 @@ class RemoteLayers:
             if current is not None and current is not fetch:
                 # Another Prepare started one meanwhile.
                 return current
-            preloaded = threading.Event()
+            preloaded, shown = threading.Event(), threading.Event()
             turn = below.preloaded if below is not None else None
             future = self._fetchers.submit(
-                self._store_and_announce, ref, manifest_digest, layer_digest, turn, preloaded
+                self._store_and_announce, ref, manifest_digest, layer_digest, turn, preloaded, shown
             )
-            fetch = _IndexFetch(future, preloaded)
+            fetch = _IndexFetch(future, preloaded, shown)
             self._indexes[layer_digest] = fetch
         fetch.future.add_done_callback(lambda future: self._settle(layer_digest, fetch, future))
         return fetch
@@ -402,27 +412,34 @@ class RemoteLayers:
         layer_digest: str,
         turn: threading.Event | None,
         preloaded: threading.Event,
+        shown: threading.Event,
     ) -> LayerIndex:
-        """The layer's index, stored; and the layer announced at once, so that
-        the layer server prefetches its hot blocks from now on: for the layers
+        """The layer's index, stored; the layer server asked to load the
+        layer in its turn (after the layer below); and the layer announced at
+        once, so that the layer server prefetches its hot blocks from now on: for the layers
         above the one being prepared (fetched ahead from cri.image-layers),
         while containerd is still preparing the layers below. A prefetch only
         fills the cache with blocks checked against this trusted index;
         whether a container is ever served the layer is still the Prepare's
         decision (chain binding, implicit directories)."""
         try:
-            index = self._store_index(ref, manifest_digest, layer_digest, turn)
+            index = self._store_index(ref, manifest_digest, layer_digest)
+            if turn is not None:
+                # Bounded: the layer below's fetch always sets it, this is only
+                # a guard against waiting on a registry that hangs there.
+                turn.wait(PRELOAD_TURN_S)
+            loaded = self._preload(layer_digest)
         finally:
             preloaded.set()
-        self._announce(ref, manifest_digest, layer_digest)
+        if self._announce(ref, manifest_digest, layer_digest) and loaded:
+            shown.set()
         return index
 
-    def _store_index(
-        self, ref: Reference, manifest_digest: str, layer_digest: str, turn: threading.Event | None = None
-    ) -> LayerIndex:
+    def _store_index(self, ref: Reference, manifest_digest: str, layer_digest: str) -> LayerIndex:
         name = layer_name(layer_digest)
         if self.store.has(layer_digest):
-            stored, source = self.store.load(name)
+            # The checkpoints are the layer server's to check, at its load.
+            stored, source = self.store.load(name, checkpoints=False)
             stored_digest = self.store.index_digest(name)
             if stored.diff_id and self.trust.accepts(layer_digest, stored_digest, source.signature):
                 return stored
@@ -449,21 +466,17 @@ class RemoteLayers:
             control.open_ahead(self.mountpoint, name)
         except OSError as exc:
             log.debug("layer server could not open a layer ahead", layer=layer_digest, error=str(exc))
-        if turn is not None:
-            # Bounded: the layer below's fetch always sets it, this is only
-            # a guard against waiting on a registry that hangs there.
-            turn.wait(PRELOAD_TURN_S)
-        self._preload(layer_digest)
         return index
 
-    def _preload(self, layer_digest: str) -> None:
+    def _preload(self, layer_digest: str) -> bool:
         """Have the layer server load the layer now (decode its index, build
         its tree), while containerd is still preparing the layers below, so
-        its own Prepare finds it ready."""
+        its own Prepare finds it ready. True if the server shows it."""
         try:
-            control.lookup(self.mountpoint, layer_name(layer_digest))
+            return control.lookup(self.mountpoint, layer_name(layer_digest))
         except OSError as exc:
             log.debug("layer server could not preload a layer", layer=layer_digest, error=str(exc))
+            return False
 
     def _resolve(self, ref: Reference) -> str:
         """The manifest digest of a reference, when containerd did not label it
@@ -500,10 +513,11 @@ class RemoteLayers:
             raise NotLazy(Reason.INDEX_REFUSED, f"image manifest {manifest_digest} lists no layer {layer_digest}")
         return size
 
-    def _announce(self, ref: Reference, manifest_digest: str, layer_digest: str | None = None) -> None:
+    def _announce(self, ref: Reference, manifest_digest: str, layer_digest: str | None = None) -> bool:
         """Tell the layer server this image now has this layer, so it can
         prefetch the image's hot blocks or record them; without a layer,
-        that the image is coming (said once: nothing new to read after)."""
+        that the image is coming (said once: nothing new to read after).
+        False if it could not be told."""
         name = manifest_digest.split(":", 1)[1]
         try:
             with self._lock:
@@ -520,6 +534,8 @@ class RemoteLayers:
                 control.notify(self.mountpoint, name)
         except OSError as exc:
             log.warning("could not announce the image to the layer server", image=manifest_digest, error=str(exc))
+            return False
+        return True
 
     def _fetch_index(
         self, ref: Reference, manifest_digest: str, layer_digest: str
@@ -530,7 +546,7 @@ class RemoteLayers:
         self.client.fetch_blob(ref, blob.digest, buffer)
         encoded = buffer.getvalue()
         try:
-            index = LayerIndex.decode(encoded)
+            index = LayerIndex.decode(encoded, checkpoints=False)
         except IndexFormatError as exc:
             raise NotLazy(Reason.INDEX_REFUSED, f"the index of {layer_digest} is unusable: {exc}") from None
         self._check_index(ref, manifest_digest, layer_digest, index, blob.digest)

@@ -141,9 +141,11 @@ class LayerStore:
             raise
         return final
 
-    def load(self, name: str) -> tuple[LayerIndex, LayerSource]:
+    def load(self, name: str, checkpoints: bool = True) -> tuple[LayerIndex, LayerSource]:
+        """The stored index and where it came from; `checkpoints` as
+        LayerIndex.decode takes it."""
         directory = self.path(name)
-        index = LayerIndex.decode((directory / INDEX).read_bytes())
+        index = LayerIndex.decode((directory / INDEX).read_bytes(), checkpoints)
         source = json.loads((directory / SOURCE).read_text())
         if layer_name(index.layer_digest) != name:
             raise ValueError(f"layer {name} holds the index of {index.layer_digest}")

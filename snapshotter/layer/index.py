@@ -222,15 +222,16 @@ class LayerIndex:
         return MAGIC + zstandard.ZstdCompressor(level=10).compress(payload)
 
     @classmethod
-    def decode(cls, data: bytes) -> LayerIndex:
+    def decode(cls, data: bytes, checkpoints: bool = True) -> LayerIndex:
+        """`checkpoints` False: for a reader that never inflates a block (the
+        snapshotter). The document alone is decompressed and checked; the
+        checkpoints (most of a gzip index's bytes) are neither read nor
+        checked, and the result's are empty. The layer server, which
+        serves the layer, decodes and checks the whole index."""
         if not data.startswith(MAGIC):
             raise IndexFormatError("not a bootseer layer index (bad magic)")
         try:
-            payload = zstandard.ZstdDecompressor().decompress(data[len(MAGIC) :], max_output_size=MAX_DECODED)
-            (length,) = struct.unpack(">I", payload[:4])
-            if length > min(MAX_DOCUMENT_BYTES, len(payload) - 4):
-                raise ValueError(f"the document claims {length} bytes")
-            doc = json.loads(payload[4 : 4 + length])
+            doc, rest = _decode_payload(data[len(MAGIC) :], checkpoints)
         except (zstandard.ZstdError, struct.error, ValueError, RecursionError) as exc:
             raise IndexFormatError(f"layer index is corrupt: {exc}") from None
         version = doc.get("version") if isinstance(doc, dict) else "?"
@@ -253,24 +254,25 @@ class LayerIndex:
                 span=_typed(doc["span"], int),
                 blocks=[_row_block(row) for row in block_rows],
                 entries=_row_entries(rows),
-                checkpoints=payload[4 + length :],
+                checkpoints=rest,
                 diff_id=_typed(doc["diff_id"], str) if version >= 2 else "",
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise IndexFormatError(f"layer index is malformed: {exc!r}") from None
         if version >= 2 and not is_sha256_digest(index.diff_id):
             raise IndexFormatError(f"bad diff_id {index.diff_id!r}")
-        index.validate()
+        index.validate(checkpoints)
         return index
 
-    def validate(self) -> None:
+    def validate(self, checkpoints: bool = True) -> None:
         """Refuse anything that would make the server read out of bounds,
         serve bytes from the wrong place, or hand the kernel a value it
-        cannot take. The tree's own refusals (tree.build_tree) come on top."""
-        self._validate_blocks()
+        cannot take. The tree's own refusals (tree.build_tree) come on top.
+        `checkpoints` False: all but the gzip checkpoints (see decode)."""
+        self._validate_blocks(checkpoints)
         _validate_entries(self.entries, self.uncompressed_size)
 
-    def _validate_blocks(self) -> None:
+    def _validate_blocks(self, checkpoints: bool) -> None:
         if not is_sha256_digest(self.layer_digest):
             raise IndexFormatError(f"bad layer digest {self.layer_digest!r}")
         if self.diff_id != "" and not is_sha256_digest(self.diff_id):
@@ -307,13 +309,33 @@ class LayerIndex:
         end = self.blocks[-1].cend if self.blocks else 0
         if end != self.compressed_size:
             raise IndexFormatError(f"blocks end at byte {end}, not at the end of the {self.compressed_size}-byte blob")
-        if self.compression == Compression.GZIP:
+        if self.compression == Compression.GZIP and checkpoints:
             try:
                 points = self.checkpoints_by_offset
             except CheckpointFormatError as exc:
                 raise IndexFormatError(f"gzip layer index: {exc}") from None
             if any(b.ustart not in points for b in self.blocks):
                 raise IndexFormatError("a block does not start at a gzip checkpoint")
+
+
+def _decode_payload(frame: bytes, checkpoints: bool) -> tuple[Any, bytes]:
+    """The zstd frame's parsed JSON document and the
+    checkpoint bytes after it (b"" unless `checkpoints`: the frame is then
+    decompressed only as far as the document's end)."""
+    if checkpoints:
+        payload = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_DECODED)
+        (length,) = struct.unpack(">I", payload[:4])
+        if length > min(MAX_DOCUMENT_BYTES, len(payload) - 4):
+            raise ValueError(f"the document claims {length} bytes")
+        return json.loads(payload[4 : 4 + length]), payload[4 + length :]
+    with zstandard.ZstdDecompressor().stream_reader(frame) as reader:
+        (length,) = struct.unpack(">I", reader.read(4))
+        if length > MAX_DOCUMENT_BYTES:
+            raise ValueError(f"the document claims {length} bytes")
+        body = reader.read(length)
+    if len(body) != length:
+        raise ValueError(f"the document claims {length} bytes")
+    return json.loads(body), b""
 
 
 def is_sha256_digest(value: object) -> bool:

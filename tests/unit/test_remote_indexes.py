@@ -5,6 +5,7 @@ its own layer."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import threading
@@ -14,11 +15,12 @@ from pathlib import Path
 from typing import cast
 
 import pytest
+import zstandard
 
 from snapshotter import remote as remote_mod
 from snapshotter.fs.control import CONTROL_PREFIX, ImageRequest, read_request
 from snapshotter.fs.layers import LayerStore
-from snapshotter.layer.index import LAYER_ANNOTATION, MEDIA_TYPE, LayerIndex, chain_ids
+from snapshotter.layer.index import LAYER_ANNOTATION, MAGIC, MEDIA_TYPE, IndexFormatError, LayerIndex, chain_ids
 from snapshotter.registry import artifact as registry_artifact
 from snapshotter.registry import media
 from snapshotter.registry.client import RegistryClient
@@ -142,9 +144,9 @@ def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     decodes = [0]
     decode = LayerIndex.__dict__["decode"].__func__
 
-    def counted(cls: type[LayerIndex], data: bytes) -> LayerIndex:
+    def counted(cls: type[LayerIndex], data: bytes, checkpoints: bool = True) -> LayerIndex:
         decodes[0] += 1
-        return cast(LayerIndex, decode(cls, data))
+        return cast(LayerIndex, decode(cls, data, checkpoints))
 
     monkeypatch.setattr(LayerIndex, "decode", classmethod(counted))
     return decodes
@@ -287,3 +289,60 @@ def test_the_layer_server_is_asked_to_load_layers_bottom_up(
     for i in range(LAYERS):
         remote.prepare(image.prepare(i))
     assert loaded == [digest.split(":")[1] for digest in image.layer_digests]
+
+
+def test_a_prepare_asks_the_layer_server_again_only_if_its_preload_did_not_show_the_layer(
+    tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load the fetch asked for answers for the Prepare: each of its
+    lookups is a round trip to a layer server busy loading the layers above.
+    A layer the server refused at the preload is refused by its Prepare."""
+    image = _image(tmp_path)
+    remote = _remote(tmp_path, node, image, monkeypatch)
+    refused = image.layer_digests[3].split(":")[1]
+    looked: list[str] = []
+    lock = threading.Lock()
+
+    def lookup(mount: Path, name: str) -> bool:
+        with lock:
+            looked.append(name)
+        if name == refused:
+            raise OSError(errno.EIO, "refused")
+        return True
+
+    monkeypatch.setattr(remote_mod.control, "lookup", lookup)
+    for i in range(LAYERS):
+        if i == 3:
+            with pytest.raises(NotLazy) as no:
+                remote.prepare(image.prepare(i))
+            assert no.value.reason is Reason.LAYER_REFUSED
+        else:
+            assert remote.prepare(image.prepare(i)).index.layer_digest == image.layer_digests[i]
+    layers = [name for name in looked if not name.startswith(".")]
+    assert sorted(layers) == sorted([d.split(":")[1] for d in image.layer_digests] + [refused])
+    assert layers.count(refused) == 2
+
+
+def test_the_snapshotter_decodes_an_index_without_its_checkpoints(tmp_path: Path) -> None:
+    """It never inflates: the document is all it reads and checks, and the
+    layer server, which serves the layer, checks the checkpoints too."""
+    index = index_of(layer([member("file", data=b"x" * 100_000)]), tmp_path)
+    encoded = index.encode()
+    light = LayerIndex.decode(encoded, checkpoints=False)
+    assert light.checkpoints == b"" and index.checkpoints != b""
+    assert (light.entries, light.blocks, light.diff_id) == (index.entries, index.blocks, index.diff_id)
+    # Checkpoints cut short: only the whole decode sees it.
+    damaged = _reencoded(encoded, lambda payload: payload[:-10])
+    assert LayerIndex.decode(damaged, checkpoints=False).entries == index.entries
+    with pytest.raises(IndexFormatError):
+        LayerIndex.decode(damaged)
+    # A document cut short is refused either way.
+    short = _reencoded(encoded, lambda payload: payload[: len(payload) - len(index.checkpoints) - 1])
+    for checkpoints in (True, False):
+        with pytest.raises(IndexFormatError, match="corrupt"):
+            LayerIndex.decode(short, checkpoints=checkpoints)
+
+
+def _reencoded(encoded: bytes, change: Callable[[bytes], bytes]) -> bytes:
+    payload = zstandard.ZstdDecompressor().decompress(encoded[len(MAGIC) :])
+    return MAGIC + zstandard.ZstdCompressor().compress(change(payload))
