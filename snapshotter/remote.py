@@ -415,13 +415,13 @@ class RemoteLayers:
         shown: threading.Event,
     ) -> LayerIndex:
         """The layer's index, stored; the layer server asked to load the
-        layer in its turn (after the layer below); and the layer announced at
-        once, so that the layer server prefetches its hot blocks from now on: for the layers
-        above the one being prepared (fetched ahead from cri.image-layers),
-        while containerd is still preparing the layers below. A prefetch only
-        fills the cache with blocks checked against this trusted index;
-        whether a container is ever served the layer is still the Prepare's
-        decision (chain binding, implicit directories)."""
+        layer in its turn (after the layer below); and the layer announced,
+        so that the layer server prefetches its hot blocks from now on: for
+        the layers above the one being prepared (fetched ahead from
+        cri.image-layers), while containerd is still preparing the layers
+        below. A prefetch only fills the cache with blocks checked against
+        this trusted index; whether a container is ever served the layer is
+        still the Prepare's decision (chain binding, implicit directories)."""
         try:
             index = self._store_index(ref, manifest_digest, layer_digest)
             if turn is not None:

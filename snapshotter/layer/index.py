@@ -319,9 +319,9 @@ class LayerIndex:
 
 
 def _decode_payload(frame: bytes, checkpoints: bool) -> tuple[Any, bytes]:
-    """The zstd frame's parsed JSON document and the
-    checkpoint bytes after it (b"" unless `checkpoints`: the frame is then
-    decompressed only as far as the document's end)."""
+    """The zstd frame's parsed JSON document and the checkpoint bytes after
+    it (b"" unless `checkpoints`: the frame is then decompressed only as far
+    as the document's end)."""
     if checkpoints:
         payload = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_DECODED)
         (length,) = struct.unpack(">I", payload[:4])
