@@ -10,9 +10,11 @@ import io
 import random
 import stat
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import zstandard
 
 from snapshotter.layer.blockmath import InOrderReadAhead, RunArrival, fetch_runs, hot_runs
 from snapshotter.layer.build import COARSE_SPANS, UnsupportedLayer, build_index, coarsen
@@ -133,6 +135,31 @@ def test_format_refuses_bad_input(tmp_path: Path) -> None:
     for message, bad in cases.items():
         with pytest.raises(IndexFormatError, match=message):
             LayerIndex.decode(bad.encode())
+
+
+def test_the_snapshotter_decodes_an_index_without_its_checkpoints(tmp_path: Path) -> None:
+    """It never inflates: the document is all it reads and checks, and the
+    layer server, which serves the layer, checks the checkpoints too."""
+    index = index_of(tar_of([("file", b"x" * 100_000)]), tmp_path)
+    encoded = index.encode()
+    light = LayerIndex.decode(encoded, checkpoints=False)
+    assert light.checkpoints == b"" and index.checkpoints != b""
+    assert (light.entries, light.blocks, light.diff_id) == (index.entries, index.blocks, index.diff_id)
+    # Checkpoints cut short: only the whole decode sees it.
+    damaged = _reencoded(encoded, lambda payload: payload[:-10])
+    assert LayerIndex.decode(damaged, checkpoints=False).entries == index.entries
+    with pytest.raises(IndexFormatError):
+        LayerIndex.decode(damaged)
+    # A document cut short is refused either way.
+    short = _reencoded(encoded, lambda payload: payload[: len(payload) - len(index.checkpoints) - 1])
+    for checkpoints in (True, False):
+        with pytest.raises(IndexFormatError, match="corrupt"):
+            LayerIndex.decode(short, checkpoints=checkpoints)
+
+
+def _reencoded(encoded: bytes, change: Callable[[bytes], bytes]) -> bytes:
+    payload = zstandard.ZstdDecompressor().decompress(encoded[len(MAGIC) :])
+    return MAGIC + zstandard.ZstdCompressor().compress(change(payload))
 
 
 def test_names_are_normalised_and_escapes_refused() -> None:

@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import cast
 
 import pytest
-import zstandard
 
 from snapshotter import remote as remote_mod
 from snapshotter.fs.control import CONTROL_PREFIX, ImageRequest, read_request
 from snapshotter.fs.layers import LayerStore
-from snapshotter.layer.index import LAYER_ANNOTATION, MAGIC, MEDIA_TYPE, IndexFormatError, LayerIndex, chain_ids
+from snapshotter.layer.index import LAYER_ANNOTATION, MEDIA_TYPE, LayerIndex, chain_ids
 from snapshotter.registry import artifact as registry_artifact
 from snapshotter.registry import media
 from snapshotter.registry.client import RegistryClient
@@ -321,28 +320,3 @@ def test_a_prepare_asks_the_layer_server_again_only_if_its_preload_did_not_show_
     layers = [name for name in looked if not name.startswith(".")]
     assert sorted(layers) == sorted([d.split(":")[1] for d in image.layer_digests] + [refused])
     assert layers.count(refused) == 2
-
-
-def test_the_snapshotter_decodes_an_index_without_its_checkpoints(tmp_path: Path) -> None:
-    """It never inflates: the document is all it reads and checks, and the
-    layer server, which serves the layer, checks the checkpoints too."""
-    index = index_of(layer([member("file", data=b"x" * 100_000)]), tmp_path)
-    encoded = index.encode()
-    light = LayerIndex.decode(encoded, checkpoints=False)
-    assert light.checkpoints == b"" and index.checkpoints != b""
-    assert (light.entries, light.blocks, light.diff_id) == (index.entries, index.blocks, index.diff_id)
-    # Checkpoints cut short: only the whole decode sees it.
-    damaged = _reencoded(encoded, lambda payload: payload[:-10])
-    assert LayerIndex.decode(damaged, checkpoints=False).entries == index.entries
-    with pytest.raises(IndexFormatError):
-        LayerIndex.decode(damaged)
-    # A document cut short is refused either way.
-    short = _reencoded(encoded, lambda payload: payload[: len(payload) - len(index.checkpoints) - 1])
-    for checkpoints in (True, False):
-        with pytest.raises(IndexFormatError, match="corrupt"):
-            LayerIndex.decode(short, checkpoints=checkpoints)
-
-
-def _reencoded(encoded: bytes, change: Callable[[bytes], bytes]) -> bytes:
-    payload = zstandard.ZstdDecompressor().decompress(encoded[len(MAGIC) :])
-    return MAGIC + zstandard.ZstdCompressor().compress(change(payload))
