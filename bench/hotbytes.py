@@ -23,6 +23,11 @@ Left out: tar headers and directory metadata (every lazy format carries its
 table of contents separately) and the decompressor's restart cost (a
 checkpoint's window, a chunk boundary): what remains is the bytes no format
 can avoid moving.
+
+The same count for one start through bootseer's layer mount
+(`measure_layer_mount`) gives what the kernel reads from a lazy image, its
+read-ahead and the read-around of page faults included: the reads a
+hot-block recording sees, and so the least a manifest of blocks can hold.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import os
 import tarfile
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -300,22 +305,23 @@ class HotBytes:
     # span -> the layers' prefix_bytes summed: what fetching blocks only as far as reads need moves
     prefix_bytes: dict[int, int]
     samples_compressed_bytes: tuple[int, ...]  # one per measured start; the largest is reported
-    read_ahead_off: bool
+    read_ahead_kb: str  # the read-ahead the start ran with ("n/a": not known)
     seconds: float
 
     def describe(self) -> dict[str, object]:
         return asdict(self)
 
 
-def _lower_dirs(c: Containerd, layout: ImageLayout) -> list[Path]:
-    """Each layer's unpacked directory in the overlayfs snapshotter, bottom first."""
+def _lower_dirs(c: Containerd, layout: ImageLayout, snapshotter: str = "overlayfs") -> list[Path]:
+    """Each layer's directory in `snapshotter`'s mounts of the image, bottom
+    first: unpacked on disk for overlayfs, in the layer mount for bootseer."""
     key = f"hotbytes-view-{os.getpid()}"
-    out = c.ctr("snapshots", "--snapshotter", "overlayfs", "view", "--mounts", key, layout.chain_ids[-1]).stdout
+    out = c.ctr("snapshots", "--snapshotter", snapshotter, "view", "--mounts", key, layout.chain_ids[-1]).stdout
     try:
         mounts = json.loads(out)
     finally:
         try:
-            c.ctr("snapshots", "--snapshotter", "overlayfs", "rm", key)
+            c.ctr("snapshots", "--snapshotter", snapshotter, "rm", key)
         except CtrError as exc:
             # containerd's garbage collector may have taken the unleased view already.
             if "not found" not in exc.result.stderr:
@@ -326,6 +332,33 @@ def _lower_dirs(c: Containerd, layout: ImageLayout) -> list[Path]:
     if len(dirs) != len(layout.layer_digests):
         raise RuntimeError(f"expected {len(layout.layer_digests)} layer directories, got {dirs}")
     return dirs
+
+
+def _maps(layout: ImageLayout, cache: Path, log: Callable[[str], None]) -> list[LayerMap]:
+    blobs = layout.directory / "blobs" / "sha256"
+    maps = []
+    for digest in layout.layer_digests:
+        started = time.monotonic()
+        maps.append(layer_map(blobs / digest.removeprefix("sha256:"), cache))
+        if time.monotonic() - started > 1:
+            log(f"mapped layer {digest[:19]} in {time.monotonic() - started:.1f} s")
+    return maps
+
+
+def _summed(samples: list[list[LayerHot]], read_ahead_kb: str, started: float) -> HotBytes:
+    # Page-cache drops by other work on the machine (tests, other benchmarks)
+    # can only lower a sample, and nothing else reads these files: the largest is the truest.
+    layers = max(samples, key=lambda ls: sum(layer.compressed_bytes for layer in ls))
+    return HotBytes(
+        compressed_bytes=sum(layer.compressed_bytes for layer in layers),
+        uncompressed_bytes=sum(layer.uncompressed_bytes for layer in layers),
+        layers=tuple(layers),
+        block_bytes={span: sum(layer.block_bytes[span] for layer in layers) for span in SIMULATED_SPANS},
+        prefix_bytes={span: sum(layer.prefix_bytes[span] for layer in layers) for span in SIMULATED_SPANS},
+        samples_compressed_bytes=tuple(sum(layer.compressed_bytes for layer in ls) for ls in samples),
+        read_ahead_kb=read_ahead_kb,
+        seconds=round(time.monotonic() - started, 2),
+    )
 
 
 def measure(
@@ -339,39 +372,42 @@ def measure(
 ) -> HotBytes:
     """Run the start `repeats` times (`run`, against `c`, which holds `ref`
     unpacked into overlayfs) and count what it read, per layer, in compressed bytes."""
-    blobs = layout.directory / "blobs" / "sha256"
-    maps = []
-    for digest in layout.layer_digests:
-        started = time.monotonic()
-        maps.append(layer_map(blobs / digest.removeprefix("sha256:"), cache))
-        if time.monotonic() - started > 1:
-            log(f"mapped layer {digest[:19]} in {time.monotonic() - started:.1f} s")
+    maps = _maps(layout, cache, log)
     dirs = _lower_dirs(c, layout)
     started = time.monotonic()
-    samples = [_one_start(run, maps, dirs, layout) for _ in range(repeats)]
-    # Page-cache drops by other work on the machine (tests, other benchmarks)
-    # can only lower a sample, and nothing else reads these files: the largest is the truest.
-    layers = max(samples, key=lambda ls: sum(layer.compressed_bytes for layer in ls))
-    return HotBytes(
-        compressed_bytes=sum(layer.compressed_bytes for layer in layers),
-        uncompressed_bytes=sum(layer.uncompressed_bytes for layer in layers),
-        layers=tuple(layers),
-        block_bytes={span: sum(layer.block_bytes[span] for layer in layers) for span in SIMULATED_SPANS},
-        prefix_bytes={span: sum(layer.prefix_bytes[span] for layer in layers) for span in SIMULATED_SPANS},
-        samples_compressed_bytes=tuple(sum(layer.compressed_bytes for layer in ls) for ls in samples),
-        read_ahead_off=_ReadAheadOff(dirs[0]).knob is not None,
-        seconds=round(time.monotonic() - started, 2),
-    )
+    samples = []
+    for _ in range(repeats):
+        drop_page_cache()
+        with _ReadAheadOff(dirs[0]):
+            run()
+        samples.append(resident_layers(maps, dirs, layout.layer_digests))
+    return _summed(samples, "0" if _ReadAheadOff(dirs[0]).knob is not None else "n/a", started)
 
 
-def _one_start(
-    run: Callable[[], object], maps: list[LayerMap], dirs: list[Path], layout: ImageLayout
-) -> list[LayerHot]:
+def measure_layer_mount(
+    c: Containerd, layout: ImageLayout, run: Callable[[], object], cache: Path, log: Callable[[str], None]
+) -> HotBytes:
+    """The same count for one start through bootseer's layer mount (`run`,
+    against `c`, which holds the image pulled by `bootseer pull` with
+    unpacking off): what the kernel asks the layer server for, its
+    read-ahead and its read-around of each page fault included. The hot-block
+    recording sees these reads, so they, not the pages the start uses, are
+    what a manifest of blocks can be no smaller than. The layer mount keeps
+    what it served in the page cache (FOPEN_KEEP_CACHE), which the mapping
+    of each file then finds."""
+    maps = _maps(layout, cache, log)
+    dirs = _lower_dirs(c, layout, "bootseer")
+    started = time.monotonic()
     drop_page_cache()
-    with _ReadAheadOff(dirs[0]):
-        run()
+    run()
+    return _summed([resident_layers(maps, dirs, layout.layer_digests)], mount_read_ahead_kb(dirs[-1]), started)
+
+
+def resident_layers(maps: list[LayerMap], dirs: list[Path], digests: Sequence[str]) -> list[LayerHot]:
+    """Each layer's files (`maps`) under its directory (`dirs`) as what of
+    them is in the page cache: tar ranges, priced in compressed bytes."""
     layers = []
-    for digest, lmap, root in zip(layout.layer_digests, maps, dirs, strict=True):
+    for digest, lmap, root in zip(digests, maps, dirs, strict=True):
         ranges: list[tuple[int, int]] = []
         files = 0
         for name, (offset, size) in lmap.files.items():
@@ -391,6 +427,13 @@ def _one_start(
             )
         )
     return layers
+
+
+def mount_read_ahead_kb(path: Path) -> str:
+    """The read-ahead of the (FUSE) mount holding `path`: its backing device info's knob."""
+    dev = os.stat(path).st_dev
+    knob = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+    return knob.read_text().strip() if knob.exists() else "n/a"
 
 
 def device_read_ahead_kb(path: Path) -> str:

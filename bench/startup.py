@@ -32,7 +32,10 @@ run per mode; `--modes`, `--link`, `--runs` to pick).
 - limits: the additive one, warm time + the compressed bytes of the blocks
   the start reads (the hot-block manifest) / link rate; the strict one,
   max(warm time, the compressed bytes the start truly reads / link rate),
-  those bytes measured page by page (bench/hotbytes.py).
+  those bytes measured page by page (bench/hotbytes.py); next to them, the
+  same count for one start through the layer mount (`layer_mount_read_bytes`:
+  what the kernel reads from it, read-around included, which is what a
+  hot-block recording sees).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from bench.report import log
 from bench.timeline import Run, ScriptOutput, Segment
 from snapshotter.fs.layers import LayerStore, layer_name
 from tests.harness.containerd import CTR_BIN, Containerd
-from tests.harness.oci import push
+from tests.harness.oci import ImageLayout, push
 from tests.harness.procs import wait_until
 from tests.harness.tree import drop_page_cache
 
@@ -731,6 +734,15 @@ def main() -> None:
             f"the start reads {strict_hot.uncompressed_bytes / 1e6:.1f} MB, "
             f"{strict_hot.compressed_bytes / 1e6:.1f} MB compressed"
         )
+        mount_reads = None
+        if any(m.node == FRESH and m.snapshotter == "bootseer" for m in modes):
+            log("measuring what the kernel reads through the layer mount (one lazy start, unshaped)")
+            mount_reads = _measure_layer_mount(registry.host, direct_ref, built.layout)
+            log(
+                f"through the layer mount (read-ahead {mount_reads.read_ahead_kb} KiB) the kernel reads "
+                f"{mount_reads.uncompressed_bytes / 1e6:.1f} MB, {mount_reads.compressed_bytes / 1e6:.1f} MB "
+                f"compressed; in whole 1 MiB blocks {mount_reads.block_bytes[1 << 20] / 1e6:.1f} MB"
+            )
         if any(m.node == LAZY_WARM for m in modes):
             lazy_warm = _start_lazy_warm(registry.host, direct_ref, built.layout.layer_digests, whole=True)
         if any(m.node == LAZY_WARM_FUSE for m in modes):
@@ -758,6 +770,8 @@ def main() -> None:
         "image": built.describe(),
         "stargz_images": stargz_images,
         "strict_hot_bytes": strict_hot.describe(),
+        # The same count for a start through the layer mount: the kernel's reads, read-around included.
+        "layer_mount_read_bytes": None if mount_reads is None else mount_reads.describe(),
         # The timed runs' disk read-ahead (the strict measurement turns it off).
         "disk_read_ahead_kb": hotbytes.device_read_ahead_kb(Path("/tmp")),
         "runs_per_mode": args.runs,
@@ -776,6 +790,30 @@ def main() -> None:
     print(f"wrote {out} and {report.RESULTS / f'{NAME}.png'}")
 
 
+def _bootseer_pull(node: Node, ref: str) -> None:
+    pulled = subprocess.run(node.pull_command(ref), capture_output=True, text=True, timeout=STEP_TIMEOUT, check=False)
+    if pulled.returncode != 0:
+        raise RuntimeError(f"bootseer pull failed:\n{pulled.stdout}\n{pulled.stderr}")
+
+
+def _measure_layer_mount(registry_host: str, direct_ref: str, layout: ImageLayout) -> hotbytes.HotBytes:
+    """hotbytes.measure_layer_mount on a fresh node (hot blocks and
+    unpacking off, so every layer is read through the mount), pulled over
+    the unshaped veth."""
+    node = start_node([registry_host], unpack_whole_layers=False)
+    try:
+        _bootseer_pull(node, direct_ref)
+        return hotbytes.measure_layer_mount(
+            node.containerd,
+            layout,
+            lambda: run_container(node.containerd, "bootseer", direct_ref, "mount-reads"),
+            image.CACHE_DIR / "layermaps",
+            log,
+        )
+    finally:
+        node.teardown()
+
+
 def _start_lazy_warm(registry_host: str, direct_ref: str, layers: Sequence[str], whole: bool) -> Node:
     """A lazy-warm node: `bootseer pull` over the unshaped veth, then one
     start, after which every block the start reads is in the layer cache.
@@ -783,11 +821,7 @@ def _start_lazy_warm(registry_host: str, direct_ref: str, layers: Sequence[str],
     fetched whole and unpacked; else with unpacking off."""
     node = start_node([registry_host], background_fetch=whole, unpack_whole_layers=whole)
     try:
-        pulled = subprocess.run(
-            node.pull_command(direct_ref), capture_output=True, text=True, timeout=STEP_TIMEOUT, check=False
-        )
-        if pulled.returncode != 0:
-            raise RuntimeError(f"bootseer pull failed:\n{pulled.stdout}\n{pulled.stderr}")
+        _bootseer_pull(node, direct_ref)
         run_container(node.containerd, "bootseer", direct_ref, "lazy-warm-prime")
         if whole:
             store = LayerStore(node.layers.config.store)

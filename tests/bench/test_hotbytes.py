@@ -127,3 +127,38 @@ def test_a_file_just_written_is_resident(tmp_path: Path) -> None:
     assert hotbytes.file_resident_ranges(path) == [(0, 10_000)]
     (tmp_path / "empty").write_bytes(b"")
     assert hotbytes.file_resident_ranges(tmp_path / "empty") == []
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_layer_costs_the_compressed_bytes_of_its_files_pages_in_the_page_cache(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    read, unread = rng.randbytes(300_000), rng.randbytes(300_000)  # incompressible: 1 compressed byte each
+    blob = tmp_path / "layer.tar.gz"
+    _layer(blob, {"./lib/read.so": read, "./lib/unread.so": unread})
+    lmap = hotbytes.build_layer_map(blob)
+    root = tmp_path / "root"
+    (root / "lib").mkdir(parents=True)
+    for name, data in (("read.so", read), ("unread.so", unread)):
+        (root / "lib" / name).write_bytes(data)
+        _evict(root / "lib" / name)
+    if hotbytes.file_resident_ranges(root / "lib" / "unread.so"):
+        pytest.skip("this filesystem keeps a file's pages in memory (tmpfs)")
+    assert (root / "lib" / "read.so").read_bytes() == read
+
+    (layer,) = hotbytes.resident_layers([lmap], [root], ["sha256:layer"])
+
+    assert (layer.digest, layer.files_read, layer.uncompressed_bytes) == ("sha256:layer", 1, len(read))
+    assert layer.compressed_bytes == pytest.approx(len(read), rel=0.05)
+    # The two files share one 1 MiB block: whole, it costs both; up to the last byte read, one.
+    assert layer.block_bytes[1 << 20] == pytest.approx(len(read) + len(unread), rel=0.05)
+    offset, _ = lmap.files["lib/read.so"]
+    assert offset < lmap.files["lib/unread.so"][0]
+    assert layer.prefix_bytes[1 << 20] == pytest.approx(len(read), rel=0.05)
