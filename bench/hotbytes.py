@@ -257,16 +257,26 @@ def file_resident_ranges(path: Path) -> list[tuple[int, int]]:
         os.close(fd)
 
 
+def _read_ahead_knob(path: Path) -> Path | None:
+    """The read_ahead_kb of the filesystem holding `path`: its block
+    device's queue, or, where it has none (FUSE), its backing device info."""
+    st_dev = os.stat(path).st_dev
+    dev = f"{os.major(st_dev)}:{os.minor(st_dev)}"
+    node = Path(f"/sys/dev/block/{dev}")
+    if node.exists():
+        # A partition's queue settings are its disk's.
+        knob = (node / "queue" if (node / "queue").exists() else node.resolve().parent / "queue") / "read_ahead_kb"
+    else:
+        knob = Path(f"/sys/class/bdi/{dev}/read_ahead_kb")
+    return knob if knob.exists() else None
+
+
 class _ReadAheadOff:
     """The block device under `path` with read-ahead 0 for the duration;
     restored after (a device setting, so as short as possible)."""
 
     def __init__(self, path: Path) -> None:
-        dev = os.stat(path).st_dev
-        node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-        # A partition's queue settings are its disk's.
-        queue = node / "queue" if (node / "queue").exists() else node.resolve().parent / "queue"
-        self.knob: Path | None = queue / "read_ahead_kb" if (queue / "read_ahead_kb").exists() else None
+        self.knob = _read_ahead_knob(path)
         self.saved = ""
 
     def __enter__(self) -> _ReadAheadOff:
@@ -381,7 +391,7 @@ def measure(
         with _ReadAheadOff(dirs[0]):
             run()
         samples.append(resident_layers(maps, dirs, layout.layer_digests))
-    return _summed(samples, "0" if _ReadAheadOff(dirs[0]).knob is not None else "n/a", started)
+    return _summed(samples, "0" if _read_ahead_knob(dirs[0]) is not None else "n/a", started)
 
 
 def measure_layer_mount(
@@ -400,7 +410,7 @@ def measure_layer_mount(
     started = time.monotonic()
     drop_page_cache()
     run()
-    return _summed([resident_layers(maps, dirs, layout.layer_digests)], mount_read_ahead_kb(dirs[-1]), started)
+    return _summed([resident_layers(maps, dirs, layout.layer_digests)], device_read_ahead_kb(dirs[-1]), started)
 
 
 def resident_layers(maps: list[LayerMap], dirs: list[Path], digests: Sequence[str]) -> list[LayerHot]:
@@ -429,14 +439,7 @@ def resident_layers(maps: list[LayerMap], dirs: list[Path], digests: Sequence[st
     return layers
 
 
-def mount_read_ahead_kb(path: Path) -> str:
-    """The read-ahead of the (FUSE) mount holding `path`: its backing device info's knob."""
-    dev = os.stat(path).st_dev
-    knob = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
-    return knob.read_text().strip() if knob.exists() else "n/a"
-
-
 def device_read_ahead_kb(path: Path) -> str:
-    """For the record: what read-ahead the timed runs had."""
-    probe = _ReadAheadOff(path)
-    return probe.knob.read_text().strip() if probe.knob is not None else "n/a"
+    """For the record: the read-ahead of the filesystem holding `path`."""
+    knob = _read_ahead_knob(path)
+    return knob.read_text().strip() if knob is not None else "n/a"
