@@ -38,6 +38,7 @@ from snapshotter.layer.index import (
     LayerIndex,
     normalize_name,
 )
+from snapshotter.layer.parts import PART_BYTES, block_digest
 from snapshotter.layer.tree import build_tree
 
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -72,9 +73,11 @@ def build_index(
     span: int = DEFAULT_SPAN,
     progress: Callable[[int], None] | None = None,
     coarse: bool = False,
+    part: int = PART_BYTES,
 ) -> LayerIndex:
     """`coarse`: merge blocks of data that does not compress (coarsen), as
-    `bootseer index` does; without it every block is one span."""
+    `bootseer index` does; without it every block is one span. `part`: what
+    each block's digest chains over (parts.py)."""
     if not 0 < span <= MAX_BLOCK_BYTES:
         raise UnsupportedLayer(f"a span of {span} bytes is not between 1 and {MAX_BLOCK_BYTES}")
     compressed_size = blob.stat().st_size
@@ -114,7 +117,7 @@ def build_index(
             # The checkpoints inside merged blocks go, with their windows.
             merged_away = {b[2] for b in fine} - {b[2] for b in bounds}
             checkpoints = without(exported.getvalue(), {(u, c) for u, c in points if u in merged_away})
-            blocks = _digest_blocks(blob, bounds, progress)
+            blocks = _digest_blocks(blob, bounds, part, progress)
             checkpoints = _prune_windows(blob, checkpoints, bounds)
             diff_id, hashed = digested.result()
         if hashed != uncompressed_size:
@@ -132,7 +135,7 @@ def build_index(
             for start in range(0, compressed_size, span)
         ]
         # Plain blocks tile the blob: hashing them in order hashes the tar.
-        blocks = _digest_blocks(blob, bounds, progress, whole)
+        blocks = _digest_blocks(blob, bounds, part, progress, whole)
         diff_id = "sha256:" + whole.hexdigest()
         compression, checkpoints = Compression.NONE, b""
     index = LayerIndex(
@@ -145,6 +148,7 @@ def build_index(
         entries=entries,
         checkpoints=checkpoints,
         diff_id=diff_id,
+        part=part,
     )
     # What the snapshotter and the layer server will refuse (or what
     # containerd's applier fails on) is refused here, so that the layer takes
@@ -282,6 +286,7 @@ def _gunzip_digest(blob: Path) -> tuple[str, int]:
 def _digest_blocks(
     blob: Path,
     bounds: list[tuple[int, int, int, int]],
+    part: int,
     progress: Callable[[int], None] | None,
     whole: hashlib._Hash | None = None,
 ) -> list[Block]:
@@ -290,7 +295,7 @@ def _digest_blocks(
         for cstart, cend, ustart, uend in bounds:
             f.seek(cstart)
             data = f.read(cend - cstart)
-            blocks.append(Block(cstart, cend, ustart, uend, hashlib.sha256(data).hexdigest()))
+            blocks.append(Block(cstart, cend, ustart, uend, block_digest(data, part)))
             if whole is not None:
                 whole.update(data)
             if progress:

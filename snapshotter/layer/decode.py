@@ -11,7 +11,6 @@ checkpoint's window wherever that window keeps a byte (windows.py).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import threading
 from typing import TYPE_CHECKING
@@ -21,6 +20,7 @@ from isal import isal_zlib
 
 from snapshotter.layer import checkpoints, windows
 from snapshotter.layer.index import Compression, LayerIndex
+from snapshotter.layer.parts import block_digest
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
@@ -91,10 +91,10 @@ class BlockDecoder:
                 f"block {number} of {self.index.layer_digest}: got {len(data)} bytes, "
                 f"expected {block.cend - block.cstart}"
             )
-        digest = hashlib.sha256(data).hexdigest()
+        digest = block_digest(data, self.index.part)
         if digest != block.digest:
             raise BlockVerificationError(
-                f"block {number} of {self.index.layer_digest}: sha256 {digest} does not match "
+                f"block {number} of {self.index.layer_digest}: digest {digest} does not match "
                 f"the index ({block.digest})"
             )
 

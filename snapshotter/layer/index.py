@@ -1,4 +1,4 @@
-"""The layer index format (version 3).
+"""The layer index format (version 4).
 
 An index describes one image layer blob, as pushed to a registry, without
 changing it:
@@ -8,9 +8,11 @@ changing it:
   uncompressed stream;
 - blocks: the blob split into spans between gzip checkpoints (restart points
   of the compressed stream, as zran/indexed_gzip take them), each with its
-  place in the compressed blob and in the uncompressed stream and the sha256
-  of its compressed bytes. A block is the unit of fetch, verification, cache
-  and record;
+  place in the compressed blob and in the uncompressed stream and the digest
+  of its compressed bytes (version 4: a hash chain over parts of the block,
+  so that its first parts can be checked alone: parts.py). A block is the
+  unit of verification, cache and record, and of fetch but where a
+  hot-block manifest says a start reads only its first parts;
 - for gzip, the checkpoints themselves (indexed_gzip's exported index: the
   compressed offset, bit offset and 32 KiB window of each, pruned to the
   bytes the block's inflation refers to: windows.py);
@@ -43,14 +45,18 @@ from typing import Any, NoReturn
 
 import zstandard
 
+from snapshotter.layer import parts
 from snapshotter.layer.checkpoints import MAX_POINTS, Checkpoint, CheckpointFormatError
 from snapshotter.layer.checkpoints import parse as parse_checkpoints
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # Version 1 had no diff_id: it still decodes (the layer server goes on serving
 # layers committed from one), but the remote Prepare path refuses it. Version
 # 2 has whole windows, which version 3's check of a block's tail reads alike.
-READABLE_VERSIONS = (1, 2, FORMAT_VERSION)
+# Versions before 4 digest each block whole (sha256 of its bytes): read as
+# `part` 0. An older bootseer refuses version 4, whose chained digests it
+# would take for corrupt blocks.
+READABLE_VERSIONS = (1, 2, 3, FORMAT_VERSION)
 MAGIC = b"bootseer-layer-index\x00"
 MEDIA_TYPE = "application/vnd.bootseer.layer-index.v1+zstd"
 ARTIFACT_TYPE = "application/vnd.bootseer.layer-index.v1"
@@ -171,7 +177,7 @@ class Block:
     cend: int
     ustart: int  # and decompress to uncompressed bytes [ustart, uend)
     uend: int
-    digest: str  # sha256 hex of blob[cstart:cend]
+    digest: str  # of blob[cstart:cend], hex: sha256, or its parts' chain (LayerIndex.part)
 
 
 @dataclass
@@ -186,6 +192,9 @@ class LayerIndex:
     checkpoints: bytes = b""  # indexed_gzip's exported index, for gzip
     # "sha256:<hex>" of the uncompressed tar stream; "" in a version 1 index.
     diff_id: str = ""
+    # The part each block's digest chains over (parts.py); 0: the sha256 of
+    # the whole block, as in versions before 4.
+    part: int = 0
 
     def __post_init__(self) -> None:
         self._ustarts = [b.ustart for b in self.blocks]
@@ -214,6 +223,7 @@ class LayerIndex:
             "compressed_size": self.compressed_size,
             "uncompressed_size": self.uncompressed_size,
             "span": self.span,
+            "part": self.part,
             "blocks": [[b.cstart, b.cend, b.ustart, b.uend, b.digest] for b in self.blocks],
             "entries": [_entry_row(e) for e in self.entries],
         }
@@ -256,6 +266,7 @@ class LayerIndex:
                 entries=_row_entries(rows),
                 checkpoints=rest,
                 diff_id=_typed(doc["diff_id"], str) if version >= 2 else "",
+                part=_typed(doc["part"], int) if version >= 4 else 0,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise IndexFormatError(f"layer index is malformed: {exc!r}") from None
@@ -282,6 +293,11 @@ class LayerIndex:
                 raise IndexFormatError(f"{what} size {value!r} is not between 0 and {MAX_LAYER_BYTES}")
         if not (type(self.span) is int and 0 < self.span <= MAX_BLOCK_BYTES):
             raise IndexFormatError(f"span {self.span!r} is not between 1 and {MAX_BLOCK_BYTES}")
+        if self.part != 0 and not parts.valid_part(self.part):
+            raise IndexFormatError(
+                f"part {self.part!r} is neither 0 nor a power of two between "
+                f"{parts.MIN_PART_BYTES} and {parts.MAX_PART_BYTES}"
+            )
         if len(self.blocks) > MAX_BLOCKS:
             raise IndexFormatError(f"{len(self.blocks)} blocks, more than {MAX_BLOCKS}")
         expected_u = 0

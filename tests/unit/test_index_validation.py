@@ -345,6 +345,10 @@ def _set(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], None]:
         (_set(("compressed_size",), 2**70), "compressed size"),
         (_set(("uncompressed_size",), 1.0e6), "malformed"),
         (_set(("span",), 0), "span"),
+        (_set(("part",), 3), "part 3 is neither 0 nor a power of two"),
+        (_set(("part",), 1 << 30), "part 1073741824 is neither"),
+        (_set(("part",), 2048), "part 2048 is neither"),
+        (_set(("part",), "16384"), "malformed"),
         (_set(("layer_digest",), "sha256:" + "../" * 21 + "x"), "bad layer digest"),
         (_set(("entries",), [["f", "reg", 0, 0, 0, 0, 0, 0, "", 0, 0, {}]] * 1_000_001), "at most 1000000"),
     ],
@@ -361,6 +365,10 @@ def _set(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], None]:
         "huge-layer",
         "float-size-of-layer",
         "zero-span",
+        "odd-part",
+        "huge-part",
+        "small-part",
+        "string-part",
         "digest-path",
         "too-many-entries",
     ],
@@ -509,13 +517,13 @@ def test_a_version_1_index_still_decodes_without_a_diff_id(valid: LayerIndex) ->
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (_set(("version",), 4), "version 4 is not supported.*re-run `bootseer index`"),
+        (_set(("version",), 5), "version 5 is not supported.*re-run `bootseer index`"),
         (_set(("version",), True), "version True is not supported"),
         (_set(("diff_id",), ""), "bad diff_id"),
         (_set(("diff_id",), "sha256:" + "A" * 64), "bad diff_id"),
         (_set(("diff_id",), 7), "malformed"),
     ],
-    ids=["version-4", "bool-version", "empty-diff-id", "upper-case-diff-id", "int-diff-id"],
+    ids=["version-5", "bool-version", "empty-diff-id", "upper-case-diff-id", "int-diff-id"],
 )
 def test_a_version_or_diff_id_this_bootseer_cannot_use_is_refused(
     valid: LayerIndex, edit: Callable[[dict[str, Any]], None], message: str
