@@ -45,6 +45,7 @@ from snapshotter.fs.reader import BlockUnavailable, Origin
 from snapshotter.fs.served import ServedLayer
 from snapshotter.layer.blockmath import hot_runs
 from snapshotter.layer.index import LayerIndex
+from snapshotter.layer.parts import Reach
 from snapshotter.registry.client import RegistryClient
 from snapshotter.registry.reference import Reference
 from snapshotter.registry.reference import parse as parse_reference
@@ -69,7 +70,8 @@ class _Prefetch:
     manifest: HotManifest
     expected: set[str]  # the layers the manifest has blocks in
     queued: set[str] = field(default_factory=set)  # layers checked (and queued, if good)
-    queue: list[tuple[int, str, list[int]]] = field(default_factory=list)
+    # (place of the first-read block, layer, run, the run's last block's first parts if that is all it asks)
+    queue: list[tuple[int, str, list[int], dict[int, tuple[int, bytes]]]] = field(default_factory=list)
     layers: dict[str, ServedLayer] = field(default_factory=dict)
     arrived: trio.Event = field(default_factory=trio.Event)
     began: float = field(default_factory=time.monotonic)
@@ -149,12 +151,17 @@ class HotBlocks:
 
     # -- events from the file system ---------------------------------------
 
-    def access(self, layer: str, block: int) -> None:
-        """A reader touched `block` of `layer`."""
+    def access(self, layer: str, block: int, extent: int) -> None:
+        """A read reached `extent` bytes into `block` of `layer`."""
         now = time.monotonic()
         for image in self.images.values():
             if image.session is not None:
-                image.session.access(layer, block, now)
+                image.session.access(layer, block, now, extent)
+
+    def records(self, layer: str) -> bool:
+        """Whether a recording under way reads `layer`: the layer's reader
+        then keeps how far each block's parts take it (parts.Reach)."""
+        return any(image.session is not None and layer in image.session.layers for image in self.images.values())
 
     async def covers(self, layer: str) -> bool:
         """Whether a hot-block manifest of an image starting with `layer`
@@ -325,8 +332,10 @@ class HotBlocks:
                 return
             prefetch.layers[layer_digest] = layer
             layer.reader.follow_manifest({b.block for b in blocks})
-            for position, run in hot_runs(positions, index.blocks):
-                heapq.heappush(prefetch.queue, (position, layer_digest, run))
+            prefixes = {b.block: (b.size, bytes.fromhex(b.link)) for b in blocks if b.partial}
+            for position, run in hot_runs(positions, index.blocks, {n: p[0] for n, p in prefixes.items()}):
+                prefix = {run[-1]: prefixes[run[-1]]} if run[-1] in prefixes else {}
+                heapq.heappush(prefetch.queue, (position, layer_digest, run, prefix))
         finally:
             prefetch.queued.add(layer_digest)
             prefetch.wake()
@@ -339,13 +348,13 @@ class HotBlocks:
         try:
             while image.manifest is prefetch.manifest:
                 if prefetch.queue:
-                    _, layer_digest, run = heapq.heappop(prefetch.queue)
+                    _, layer_digest, run, prefix = heapq.heappop(prefetch.queue)
                     layer = prefetch.layers[layer_digest]
                     if not layer.current:
                         continue
                     try:
                         # What it fetches counts for this image (bootseer_fs_image_prefetched_bytes_total).
-                        await layer.reader.ensure(run, Origin.HOT, image=image.request.image)
+                        await layer.reader.ensure(run, Origin.HOT, image=image.request.image, prefixes=prefix)
                     except BlockUnavailable as exc:
                         log.warning("prefetch failed", layer=layer_digest, blocks=run, error=str(exc))
                     continue
@@ -369,12 +378,16 @@ class HotBlocks:
             log.info("recording ended with no reads; nothing to publish", image=session.image)
             return
         indexes: dict[str, LayerIndex] = {}
+        reaches: dict[tuple[str, int], Reach] = {}
         for layer_digest in {layer for layer, _ in session.accesses}:
             layer = await self.layer_for(layer_digest)
             if layer is not None:
                 indexes[layer_digest] = layer.reader.index
+                reaches.update(((layer_digest, n), r) for n, r in layer.reader.reaches.items())
+                if not self.records(layer_digest):
+                    layer.reader.reaches.clear()
         accesses = {k: v for k, v in session.accesses.items() if k[0] in indexes}
-        recorded = hot.from_record(session.image, accesses, indexes)
+        recorded = hot.from_record(session.image, accesses, indexes, session.extents, reaches)
         try:
             merged, published = await trio.to_thread.run_sync(
                 self._settle, image.request, recorded, indexes, session.explicit

@@ -152,9 +152,9 @@ def _show(store: LayerStore, image: str) -> int:
         print(f"published as {entry.published}")
     else:
         print("this node's own (not published: see `bootseer record publish`)")
-    print(f"{'first access':>12}  {'size':>9}  layer / block")
+    print(f"{'first access':>12}  {'size':>9}  layer / block (+: its first parts only)")
     for b in manifest.blocks[:SHOW_BLOCKS]:
-        print(f"{b.first_access_ms:>10}ms  {b.size:>9}  {b.layer[:19]}.../{b.block}")
+        print(f"{b.first_access_ms:>10}ms  {b.size:>9}  {b.layer[:19]}.../{b.block}{' +' if b.partial else ''}")
     return 0
 
 

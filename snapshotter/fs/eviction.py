@@ -186,8 +186,14 @@ class BlockCache:
     def added(self, copy: str, number: int, offset: int, size: int) -> None:
         key = (copy, number)
         if key in self.lru:
-            # Written again (it had lost its bytes): counted once.
+            # Written again (it had lost its bytes, or only its first parts
+            # were cached): counted once, at its size now.
             self.lru.move_to_end(key)
+            before = self.lru[key]
+            if before != size:
+                self.lru[key] = size
+                self.copies[copy].blocks[number] = (offset, size)
+                self._set_total(self.total - before + size)
             return
         state = self.copies.setdefault(copy, _Copy())
         state.blocks[number] = (offset, size)
@@ -239,11 +245,12 @@ class BlockCache:
             self.reserved += nbytes
             return True
 
-    def settle(self, nbytes: int, copy: str, number: int, offset: int, stored: bool) -> None:
-        """A block `reserve` made room for was written (`stored`) or not."""
+    def settle(self, nbytes: int, copy: str, number: int, offset: int, stored: bool, size: int | None = None) -> None:
+        """A block `reserve` made room for was written (`stored`) or not;
+        `size`: the bytes written, if fewer (a block's first parts)."""
         self.reserved -= nbytes
         if stored:
-            self.added(copy, number, offset, nbytes)
+            self.added(copy, number, offset, nbytes if size is None else size)
 
     def room_for(self, nbytes: int) -> bool:
         """`nbytes` more fit under the cap without evicting anything."""

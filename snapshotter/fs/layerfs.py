@@ -163,7 +163,11 @@ def _release_memory() -> None:
 class BlockEvents(Protocol):
     """Who hears about reads and image requests (the hot-block tracker)."""
 
-    def access(self, layer: str, block: int) -> None: ...
+    def access(self, layer: str, block: int, extent: int) -> None:
+        """A read reached `extent` bytes into `block` of `layer`."""
+
+    def records(self, layer: str) -> bool:
+        """Whether a recording under way reads `layer`."""
 
     async def notify(self, name: str, request: ImageRequest | None = None) -> None:
         """Image `name`'s request file was written; `request`: as read just now."""
@@ -424,9 +428,12 @@ class LayerFS(fuse.Operations):
         # The last statfs answer and when it was made (time.monotonic()).
         self._statfs: tuple[float, fuse.StatvfsData] | None = None
 
-    def _access(self, layer: str, block: int) -> None:
+    def _access(self, layer: str, block: int, extent: int) -> None:
         if self.events is not None:
-            self.events.access(layer, block)
+            self.events.access(layer, block, extent)
+
+    def _records(self, layer: str) -> bool:
+        return self.events is not None and self.events.records(layer)
 
     async def layer_for_digest(self, digest: str) -> _Layer | None:
         try:
@@ -585,6 +592,7 @@ class LayerFS(fuse.Operations):
             self.image_bytes.fetched,
             self.cache,
             self.blocks_after_miss,
+            self._records,
         )
 
     async def _open_ahead(self, name: str) -> None:

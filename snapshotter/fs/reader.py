@@ -38,7 +38,7 @@ import errno
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,9 +50,11 @@ from snapshotter.fs import metrics
 from snapshotter.fs.blockindex import BlockIndex, BlockIndexError, BlockRecord, BlockState
 from snapshotter.fs.eviction import BlockCache, hole
 from snapshotter.fs.settings import FETCH_DEADLINE_S
+from snapshotter.layer import parts
 from snapshotter.layer.blockmath import InOrderReadAhead, RunArrival, fetch_runs
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import LayerIndex
+from snapshotter.layer.parts import Reach
 
 log = structlog.get_logger("bootseer.fs")
 
@@ -107,6 +109,8 @@ class _Flight:
     uncached: bytes | None = None
     # The deadline its fetch lands it by (with the fetch's error if need be).
     deadline: float | None = None
+    # A hot-block prefetch of the block's first parts only: (bytes, link after them).
+    prefix: tuple[int, bytes] | None = None
 
 
 class _RunSink:
@@ -149,10 +153,11 @@ class LayerReader:
         prefetch_limiter: trio.CapacityLimiter,
         background_limiter: trio.CapacityLimiter,
         prefetch_decode_limiter: trio.CapacityLimiter,
-        on_access: Callable[[str, int], None] | None = None,
+        on_access: Callable[[str, int, int], None] | None = None,
         on_fetched: Callable[[str, int, str | None, bool], None] | None = None,
         cache: BlockCache | None = None,
         blocks_after_miss: int = 0,
+        records: Callable[[str], bool] | None = None,
     ) -> None:
         self.name = name
         self.cache_key = cache_key
@@ -163,11 +168,16 @@ class LayerReader:
         else:
             self.fetcher = BoundedFetcher(lambda start, end, _deadline, sink: sink(fetch(start, end)))
         self.decoder = BlockDecoder(index)
-        records = block_index.cached(cache_key)
-        self.cached: set[int] = set(records)
+        cached = {n: r for n, r in block_index.cached(cache_key).items() if n < len(index.blocks)}
+        # Blocks cached only up to some byte (hot-block prefetches of their
+        # first parts): how many of their bytes, from their start.
+        self.partial: dict[int, int] = {
+            n: r.size for n, r in cached.items() if 0 < r.size < index.blocks[n].uend - index.blocks[n].ustart
+        }
+        self.cached: set[int] = set(cached) - self.partial.keys()
         # Cached by an earlier server, or before a write to the cache failed:
         # checked against their crc on first read.
-        self.unverified: dict[int, int] = {n: r.crc32 for n, r in records.items()}
+        self.unverified: dict[int, int] = {n: r.crc32 for n, r in cached.items()}
         self.inflight: dict[int, _Flight] = {}
         self.fd = os.open(cache_path, os.O_RDWR)
         # Cleared once the cache file's filesystem refuses RWF_NOWAIT (tmpfs).
@@ -196,6 +206,8 @@ class LayerReader:
         # Blocks read ahead and not read yet: reaching one reads further ahead.
         # Blocks the hot-block prefetcher brought in do not: it is ahead already.
         self.readahead_marks: set[int] = set()
+        # Told (layer digest, block number, how far into the block a read
+        # reaches) of every block a read reaches into.
         self.on_access = on_access
         # Told (layer digest, compressed bytes, image if the fetch knows it,
         # prefetched) of every range fetched and every block the hot-block
@@ -216,6 +228,11 @@ class LayerReader:
         self.pinned: dict[int, int] = {}
         # Blocks being evicted: set once their bytes are gone.
         self.evicting: dict[int, trio.Event] = {}
+        # Whether a hot-block recording reads this layer (by digest): then
+        # the blocks a start's reads fetch have their reaches kept, by number,
+        # for the recording to fetch each only as far as the start read it.
+        self.records = records
+        self.reaches: dict[int, Reach] = {}
 
     def follow_manifest(self, blocks: set[int]) -> None:
         """A hot-block manifest lists `blocks` of this layer: read-ahead
@@ -266,14 +283,14 @@ class LayerReader:
             return None
         numbers = self.index.block_range(start, end)
         for n in numbers:
-            if n not in self.cached or n in self.unverified or n in self.readahead_marks:
+            if not self._covers(n, start, end) or n in self.unverified or n in self.readahead_marks:
                 return None
         buffer = bytearray(end - start)
         if self._pread_nowait(buffer, start) < len(buffer):
             return None
         self.touched = True
         for n in numbers:
-            self._account(n)
+            self._account(n, start, end)
         self.readahead.observe(numbers.start, numbers.stop - 1)
         metrics.READ_BYTES.inc(len(buffer))
         return bytes(buffer)
@@ -295,6 +312,13 @@ class LayerReader:
                 else:
                     self.pinned[n] -= 1
 
+    def _covers(self, n: int, start: int, end: int) -> bool:
+        """Block `n` is cached as far as bytes [start, end) reach into it."""
+        if n in self.cached:
+            return True
+        block = self.index.blocks[n]
+        return self.partial.get(n, 0) >= min(end, block.uend) - block.ustart
+
     @property
     def all_cached(self) -> bool:
         return len(self.cached) == len(self.index.blocks)
@@ -315,16 +339,21 @@ class LayerReader:
         for n in numbers:
             if n in self.unverified:
                 self._verify(n)
-            self._account(n)
-            if n not in self.cached or n in self.readahead_marks:
+            self._account(n, start, end)
+            if not self._covers(n, start, end) or n in self.readahead_marks:
                 wanting = True
                 self.readahead_marks.discard(n)
         window = self.readahead.observe(numbers.start, numbers.stop - 1)
+        # Not a block whose first parts are cached: the manifest says that
+        # is all a start reads of it.
         ahead = (
             [
                 n
                 for n in self._ahead_of_miss(window, limit)
-                if n not in self.cached and n not in self.inflight and (self.hot_blocks is None or n in self.hot_blocks)
+                if n not in self.cached
+                and n not in self.partial
+                and n not in self.inflight
+                and (self.hot_blocks is None or n in self.hot_blocks)
             ]
             if wanting
             else []
@@ -332,9 +361,15 @@ class LayerReader:
         # Only a read that may wait on the registry needs a deadline: a hit
         # (nothing wanted, so nothing to wait for) spares the clock.
         deadline = time.monotonic() + self.fetcher.deadline_s if wanting else None
-        uncached = await self.ensure(numbers, deadline=deadline, ahead=ahead)
-        # A write to the cache may have failed while this read waited.
-        if uncached or (self.unverified and not self.unverified.keys().isdisjoint(numbers)):
+        needed = [n for n in numbers if not self._covers(n, start, end)]
+        uncached = await self.ensure(needed, deadline=deadline, ahead=ahead)
+        # A write to the cache may have failed while this read waited, or
+        # the first parts of a block landed that this read goes beyond.
+        if (
+            uncached
+            or (self.unverified and not self.unverified.keys().isdisjoint(numbers))
+            or not all(self._covers(n, start, end) for n in needed)
+        ):
             data = await self._gather(start, end, numbers, uncached, deadline)
         else:
             data = await self._pread(start, end)
@@ -373,7 +408,7 @@ class LayerReader:
                     break
                 if n in self.unverified:
                     self._verify(n)
-                if n in self.cached:
+                if self._covers(n, lo, hi):
                     pieces.append(await self._pread(lo, hi))
                     break
                 uncached.update(await self.ensure([n], deadline=deadline))
@@ -411,15 +446,18 @@ class LayerReader:
         # server start, a few milliseconds at most.
         block = self.index.blocks[n]
         expected = self.unverified.pop(n)
-        data = os.pread(self.fd, block.uend - block.ustart, block.ustart)
+        data = os.pread(self.fd, self.partial.get(n, block.uend - block.ustart), block.ustart)
         if isal_zlib.crc32(data) != expected:
             log.warning("cached block lost its bytes; fetching it again", layer=self.name, block=n)
             self.cached.discard(n)
+            self.partial.pop(n, None)
 
-    def _account(self, n: int) -> None:
+    def _account(self, n: int, start: int, end: int) -> None:
+        """A read of bytes [start, end) reaches into block `n`."""
+        block = self.index.blocks[n]
         if self.on_access is not None:
-            self.on_access(self.index.layer_digest, n)
-        if n in self.cached:
+            self.on_access(self.index.layer_digest, n, min(end, block.uend) - block.ustart)
+        if self._covers(n, start, end):
             if self.cache is not None:
                 self.cache.touch(self.cache_key, n)
             if n in self.unread_prefetched:
@@ -446,6 +484,7 @@ class LayerReader:
         deadline: float | None = None,
         image: str | None = None,
         ahead: Sequence[int] = (),
+        prefixes: Mapping[int, tuple[int, bytes]] | None = None,
     ) -> dict[int, bytes]:
         """Return once every block in `numbers` is cached, with the bytes of
         those the cache could not take, by number; raise BlockUnavailable if
@@ -455,12 +494,16 @@ class LayerReader:
         `image`: the image a prefetch is for, whose bytes the fetches it
         starts count for. `ahead`: blocks read ahead (a miss's next ones),
         fetched in the same Range request as those of `numbers` they follow
-        and not waited for: they land after the read's own."""
+        and not waited for: they land after the read's own. `prefixes`:
+        blocks a hot-block manifest asks only the first parts of, as
+        (compressed bytes, link after them), fetched so where one ends its
+        Range request; a block with some first parts cached already is not
+        fetched again for them."""
         self._refuse_if_closed()
         self.busy += 1
         self.touched = True
         try:
-            return await self._ensure(numbers, origin, deadline, image, ahead)
+            return await self._ensure(numbers, origin, deadline, image, ahead, prefixes or {})
         finally:
             self.busy -= 1
 
@@ -471,17 +514,20 @@ class LayerReader:
         deadline: float | None,
         image: str | None,
         ahead: Sequence[int],
+        prefixes: Mapping[int, tuple[int, bytes]],
     ) -> dict[int, bytes]:
         await self._wait_evictions([*numbers, *ahead])
         self._refuse_if_closed()
         to_fetch: list[int] = []
         waits: list[tuple[int, _Flight]] = []
         for n in numbers:
-            if n in self.cached:
+            if n in self.cached or (n in prefixes and n in self.partial):
                 continue
             flight = self.inflight.get(n)
             if flight is None:
-                flight = self.inflight[n] = _Flight(origin=origin, image=image, deadline=deadline)
+                flight = self.inflight[n] = _Flight(
+                    origin=origin, image=image, deadline=deadline, prefix=prefixes.get(n)
+                )
                 to_fetch.append(n)
             waits.append((n, flight))
         for n in ahead:
@@ -532,7 +578,7 @@ class LayerReader:
         fetch bringing it (eviction.BlockCache)."""
         return (
             not self.closed
-            and n in self.cached
+            and (n in self.cached or n in self.partial)
             and n not in self.pinned
             and n not in self.inflight
             and n not in self.evicting
@@ -548,6 +594,7 @@ class LayerReader:
         if not victims:
             return []
         done = trio.Event()
+        partial = {n: self.partial.pop(n) for n in victims if n in self.partial}
         for n in victims:
             self.cached.discard(n)
             self.unverified.pop(n, None)
@@ -559,7 +606,9 @@ class LayerReader:
         blocks = self.index.blocks
 
         def free(n: int) -> bool:
-            return not 0 <= n < len(blocks) or (n not in self.cached and n not in self.inflight)
+            return not 0 <= n < len(blocks) or (
+                n not in self.cached and n not in self.partial and n not in self.inflight
+            )
 
         ranges = [hole(blocks[n].ustart, blocks[n].uend - blocks[n].ustart, free(n - 1), free(n + 1)) for n in victims]
         self.busy += 1
@@ -572,7 +621,8 @@ class LayerReader:
             self.busy -= 1
         if not forgotten:
             # Records and bytes are still there, and match: cached again.
-            self.cached.update(victims)
+            self.cached.update(n for n in victims if n not in partial)
+            self.partial.update(partial)
             return []
         return victims
 
@@ -608,9 +658,13 @@ class LayerReader:
                         f"block {n} of layer {self.name} not fetched within the "
                         f"{self.fetcher.deadline_s:g} s fetch deadline"
                     )
-            if flight.error is not None:
+            # A read that waited on a prefetch of a block's first parts
+            # fetches the block itself if that failed (a stale link, say).
+            if flight.error is not None and (flight.prefix is None or origin is not Origin.READ):
                 raise BlockUnavailable(str(flight.error)) from flight.error
-            if flight.uncached is not None:
+            # A block's first parts are no answer to a read: if it goes
+            # beyond them (the cache took them or not) it fetches the block.
+            if flight.uncached is not None and flight.prefix is None:
                 uncached[n] = flight.uncached
         return uncached
 
@@ -620,6 +674,9 @@ class LayerReader:
         the ensure that started them, so that a read waits for its own
         blocks only, not for those read ahead in the same request."""
         for run in fetch_runs(numbers, self.index.blocks):
+            # Only a run's last block can be fetched short of its end.
+            for n in run[:-1]:
+                self.inflight[n].prefix = None
             trio.lowlevel.spawn_system_task(self._fetch_run, run, origin, deadline, image)
 
     async def _fetch_run(self, run: list[int], origin: Origin, deadline: float | None, image: str | None) -> None:
@@ -664,10 +721,11 @@ class LayerReader:
             metrics.BACKGROUND_BYTES.inc(block.cend - block.cstart)
         if error is None and flight.origin == Origin.HOT:
             block = self.index.blocks[number]
+            size = flight.prefix[0] if flight.prefix is not None else block.cend - block.cstart
             metrics.PREFETCHED_BLOCKS.inc()
-            metrics.PREFETCHED_BYTES.inc(block.cend - block.cstart)
+            metrics.PREFETCHED_BYTES.inc(size)
             if self.on_fetched is not None:
-                self.on_fetched(self.index.layer_digest, block.cend - block.cstart, flight.image, True)
+                self.on_fetched(self.index.layer_digest, size, flight.image, True)
             if cached and not flight.demanded:
                 self.unread_prefetched.add(number)
                 metrics.PREFETCH_UNREAD.inc()
@@ -681,19 +739,23 @@ class LayerReader:
         `remaining`) as soon as its bytes are in: a read waiting on the
         first block of a run does not wait for the rest of the response."""
         blocks = self.index.blocks
-        start, end = blocks[remaining[0]].cstart, blocks[remaining[-1]].cend
+        last = remaining[-1]
+        prefix = self.inflight[last].prefix
+        start = blocks[remaining[0]].cstart
+        end = blocks[last].cstart + prefix[0] if prefix is not None else blocks[last].cend
         # Of a fixed size, so that views of it stay valid while the rest
         # arrives. Views, not copies: a prefetch moves hundreds of megabytes
         # through here, and the event loop would make every copy.
         buffer = bytearray(end - start)
-        arrival = RunArrival(list(remaining), blocks, memoryview(buffer))
+        arrival = RunArrival(list(remaining), blocks, memoryview(buffer), end)
         errors: list[Exception] = []
         fetch_error: Exception | None = None
         live = True
 
         async def store(n: int, compressed: memoryview) -> None:
             try:
-                uncached = await self._store_block(n, compressed, origin)
+                link = prefix[1] if prefix is not None and n == last else None
+                uncached = await self._store_block(n, compressed, origin, link)
             except Exception as exc:
                 errors.append(exc)
                 return
@@ -732,25 +794,36 @@ class LayerReader:
         if errors:
             raise errors[0]
 
-    async def _store_block(self, n: int, compressed: memoryview, origin: Origin) -> bytes | None:
+    async def _store_block(
+        self, n: int, compressed: memoryview, origin: Origin, link: bytes | None = None
+    ) -> bytes | None:
         """Verify and decode block `n`, then write it to the cache once there
         is room for it, in one worker thread: None once it is cached, else its
         bytes, for its readers from memory. Room is made first (the size is
         the index's), so that decoding, writing and recording cost one thread
-        hop, not two. `origin`: who fetched it."""
+        hop, not two. `origin`: who fetched it. `link`: `compressed` is the
+        block's first parts only, checked with this link (parts.py)."""
         block = self.index.blocks[n]
         size = block.uend - block.ustart
+        recording = self.records is not None and self.records(self.index.layer_digest)
+        if not recording and self.reaches:
+            self.reaches.clear()
+        keep = recording and link is None and self.index.part > 0 and origin in (Origin.READ, Origin.READAHEAD)
         room = True
         if self.cache is not None:
             room = await self.cache.reserve(size)
         # Stays true if decoding raises: the room made is given back unused.
         failed = True
+        stored = 0
         try:
             limiter = self.prefetch_decode_limiter if origin in (Origin.HOT, Origin.BACKGROUND) else None
-            data, failed = await trio.to_thread.run_sync(self._decode_and_write, n, compressed, room, limiter=limiter)
+            data, failed = await trio.to_thread.run_sync(
+                self._decode_and_write, n, compressed, room, link, keep, limiter=limiter
+            )
+            stored = len(data)
         finally:
             if self.cache is not None and room:
-                self.cache.settle(size, self.cache_key, n, block.ustart, not failed)
+                self.cache.settle(size, self.cache_key, n, block.ustart, not failed, stored or None)
         metrics.FETCHED_BLOCKS.inc()
         if not room:
             metrics.UNCACHED_BLOCKS.inc()
@@ -760,15 +833,28 @@ class LayerReader:
             if not self.closed:
                 self._distrust_cache()
             return data
+        if link is not None:
+            self.partial[n] = len(data)
+            return None
+        self.partial.pop(n, None)
         self.cached.add(n)
         if self.on_whole is not None and self.all_cached:
             self.on_whole()
         return None
 
-    def _decode_and_write(self, n: int, compressed: memoryview, write: bool) -> tuple[bytes, bool]:
-        """The block's verified bytes and whether writing them to the cache
-        failed (True too when not written: `write` false or the reader closed)."""
-        data = self.decoder.decode(n, compressed)
+    def _decode_and_write(
+        self, n: int, compressed: memoryview, write: bool, link: bytes | None, keep: bool
+    ) -> tuple[bytes, bool]:
+        """The block's verified bytes (its first ones, with a `link`) and
+        whether writing them to the cache failed (True too when not written:
+        `write` false or the reader closed). `keep`: keep the block's reach."""
+        if link is not None:
+            data = self.decoder.decode_prefix(n, compressed, link)
+        else:
+            reach: list[int] | None = [] if keep else None
+            data = self.decoder.decode(n, compressed, reach)
+            if reach:
+                self.reaches[n] = Reach(tuple(reach), tuple(parts.links(compressed, self.index.part)))
         if not write or self.closed:
             return data, True
         return data, self._write(n, data)
@@ -821,7 +907,7 @@ class LayerReader:
         writeback, a failing device): every cached block is checked against
         its recorded crc again before it is served."""
         records = self.block_index.cached(self.cache_key)
-        self.unverified.update((n, r.crc32) for n, r in records.items() if n in self.cached)
+        self.unverified.update((n, r.crc32) for n, r in records.items() if n in self.cached or n in self.partial)
 
 
 def _on_trio_clock(deadline: float) -> float:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from snapshotter.layer.index import Block
@@ -44,38 +44,67 @@ def fetch_runs(numbers: Iterable[int], blocks: list[Block], max_bytes: int = MAX
 HOT_RUN_BYTES = 8 << 20
 
 
+# A hot block the manifest asks only the first parts of ends its Range
+# request, the rest of it left out, unless that rest is under this many
+# bytes: then it is fetched whole, with the hot block after it in the same
+# request. On the tabular image's recording (398 hot blocks, 194 MB),
+# computed from its reads: 110 requests and 181.9 MB with no such merging,
+# 85 and 182.5 MB at 64 KiB, 57 and 186.4 MB at 256 KiB; a request costs the
+# registry about 4 ms of CPU.
+MIN_LEFT_OUT = 64 << 10
+
+
 def hot_runs(
-    positions: dict[int, int], blocks: list[Block], max_bytes: int = HOT_RUN_BYTES
+    positions: dict[int, int],
+    blocks: list[Block],
+    prefixes: Mapping[int, int] | None = None,
+    max_bytes: int = HOT_RUN_BYTES,
 ) -> list[tuple[int, list[int]]]:
     """A layer's hot blocks, given as block number -> place in the manifest
     (first access), as runs of consecutive blocks in block order, each
     fetched with one Range request, paired with the place of the run's
-    earliest-read block: the prefetch takes runs in that order."""
-    return [(min(positions[n] for n in run), run) for run in fetch_runs(sorted(positions), blocks, max_bytes)]
+    earliest-read block: the prefetch takes runs in that order. `prefixes`:
+    the compressed bytes the manifest asks of the blocks it wants only the
+    first parts of; such a block ends its run (MIN_LEFT_OUT)."""
+    prefixes = prefixes or {}
+    runs: list[list[int]] = []
+    for n in sorted(positions):
+        if runs:
+            run = runs[-1]
+            last = blocks[run[-1]]
+            left_out = last.cend - last.cstart - prefixes.get(run[-1], last.cend - last.cstart)
+            if n == run[-1] + 1 and blocks[n].cend - blocks[run[0]].cstart <= max_bytes and left_out < MIN_LEFT_OUT:
+                run.append(n)
+                continue
+        runs.append([n])
+    return [(min(positions[n] for n in run), run) for run in runs]
 
 
 class RunArrival:
     """One run's blocks as its response arrives into `data`: which are whole
     once its first `received` bytes are in, each handed out once, as a view
     of its compressed bytes (blocks overlap by a byte at checkpoints that
-    start mid-byte)."""
+    start mid-byte). `end`: where the response ends in the blob, if short of
+    the last block's end (its first parts only)."""
 
-    def __init__(self, run: list[int], blocks: list[Block], data: memoryview) -> None:
+    def __init__(self, run: list[int], blocks: list[Block], data: memoryview, end: int | None = None) -> None:
         self.base = blocks[run[0]].cstart
-        self._blocks = blocks
         self._data = data
+        self._cends = {n: blocks[n].cend for n in run}
+        if end is not None:
+            self._cends[run[-1]] = end
+        self._cstarts = {n: blocks[n].cstart for n in run}
         # Where, in the response, each block is whole: ascending.
-        self.ends = sorted(blocks[n].cend - self.base for n in run)
+        self.ends = sorted(c - self.base for c in self._cends.values())
         # By end, the next to be whole last.
-        self._pending = sorted(run, key=lambda n: blocks[n].cend, reverse=True)
+        self._pending = sorted(run, key=self._cends.__getitem__, reverse=True)
 
     def whole(self, received: int) -> dict[int, memoryview]:
         """The blocks whole within the first `received` bytes and not handed out yet."""
         out = {}
-        while self._pending and self._blocks[self._pending[-1]].cend - self.base <= received:
+        while self._pending and self._cends[self._pending[-1]] - self.base <= received:
             n = self._pending.pop()
-            block = self._blocks[n]
-            out[n] = self._data[block.cstart - self.base : block.cend - self.base]
+            out[n] = self._data[self._cstarts[n] - self.base : self._cends[n] - self.base]
         return out
 
 

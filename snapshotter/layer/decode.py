@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import io
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import indexed_gzip
 from isal import isal_zlib
 
-from snapshotter.layer import checkpoints, windows
+from snapshotter.layer import checkpoints, parts, windows
 from snapshotter.layer.index import Compression, LayerIndex
-from snapshotter.layer.parts import block_digest
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
@@ -91,22 +90,30 @@ class BlockDecoder:
                 f"block {number} of {self.index.layer_digest}: got {len(data)} bytes, "
                 f"expected {block.cend - block.cstart}"
             )
-        digest = block_digest(data, self.index.part)
+        digest = parts.block_digest(data, self.index.part)
         if digest != block.digest:
             raise BlockVerificationError(
                 f"block {number} of {self.index.layer_digest}: digest {digest} does not match "
                 f"the index ({block.digest})"
             )
 
-    def decode(self, number: int, data: bytes | memoryview) -> bytes:
-        """Verify, then decompress block `number` from its compressed bytes."""
+    def decode(self, number: int, data: bytes | memoryview, reach: list[int] | None = None) -> bytes:
+        """Verify, then decompress block `number` from its compressed bytes.
+        `reach`, if given, is filled with how many output bytes the block's
+        first 1, 2, ... parts give (what a hot-block recording needs to
+        fetch a block only up to a byte); left empty where that is not
+        known (an index without parts, a block only indexed_gzip inflates)."""
         self.verify(number, data)
         block = self.index.blocks[number]
-        if self.index.compression != Compression.GZIP:
-            return bytes(data)
         want = block.uend - block.ustart
-        out = self._inflate(number, data, want)
+        if self.index.compression != Compression.GZIP:
+            if reach is not None and self.index.part:
+                reach.extend(min((i + 1) * self.index.part, want) for i in range(parts.count(want, self.index.part)))
+            return bytes(data)
+        out = self._inflate(number, data, want, reach if self.index.part else None)
         if out is None or len(out) != want:
+            if reach:
+                reach.clear()
             out = self._inflate_with_zran(number, data, want)
         if len(out) != want:
             raise BlockVerificationError(
@@ -124,22 +131,79 @@ class BlockDecoder:
             )
         return out
 
-    def _inflate(self, number: int, data: bytes | memoryview, want: int) -> bytes | None:
-        """The block's output through ISA-L; None if this path cannot make it."""
+    def decode_prefix(self, number: int, data: bytes | memoryview, link: bytes) -> bytes:
+        """Verify the first parts of block `number` (`data`, whole parts)
+        against its digest with the `link` after them (parts.py), then
+        decompress them: the block's first bytes, as many as those parts
+        give."""
+        block = self.index.blocks[number]
+        part = self.index.part
+        if not part or not 0 < len(data) < block.cend - block.cstart or len(data) % part:
+            raise BlockVerificationError(
+                f"block {number} of {self.index.layer_digest}: {len(data)} bytes are not its first parts"
+            )
+        try:
+            digest = parts.chain_digest(data, part, link)
+        except ValueError as exc:
+            raise BlockVerificationError(f"block {number} of {self.index.layer_digest}: {exc}") from None
+        if digest != block.digest:
+            raise BlockVerificationError(
+                f"block {number} of {self.index.layer_digest}: its first {len(data)} bytes do not match the index"
+            )
+        want = block.uend - block.ustart
+        if self.index.compression != Compression.GZIP:
+            return bytes(data)
+        out = self._inflate(number, data, want)
+        if not out:
+            raise BlockVerificationError(
+                f"the first parts of block {number} of {self.index.layer_digest} do not inflate"
+            )
+        return out
+
+    def _inflate(
+        self, number: int, data: bytes | memoryview, want: int, reach: list[int] | None = None
+    ) -> bytes | None:
+        """The block's output through ISA-L, at most `want` bytes (all of
+        them if `data` is the whole block); None if this path cannot make
+        it. `reach`: see decode."""
         point = self._points.get(self.index.blocks[number].ustart)
         if point is None:
             return None
         try:
             if self.index.blocks[number].cstart == 0:
                 # The layer's first block: the gzip header and all.
-                return isal_zlib.decompressobj(31).decompress(data, want)
-            # No window: a later gzip member's deflate data starts here.
-            zdict = {"zdict": point.window} if point.window is not None else {}
-            inflater = isal_zlib.decompressobj(-15, **zdict)
-            return inflater.decompress(checkpoints.raw_stream(point, data), want)
+                inflater = isal_zlib.decompressobj(31)
+                stream = data
+            else:
+                # No window: a later gzip member's deflate data starts here.
+                zdict = {"zdict": point.window} if point.window is not None else {}
+                inflater = isal_zlib.decompressobj(-15, **zdict)
+                stream = checkpoints.raw_stream(point, data)
+            if reach is None:
+                out: bytes = inflater.decompress(stream, want)
+                return out
+            return self._inflate_in_parts(inflater, stream, len(stream) - len(data), want, reach)
         # isal's stub declares `error` as an instance, not the class it is.
         except isal_zlib.error:  # type: ignore[misc]
             return None
+
+    def _inflate_in_parts(
+        self, inflater: Any, stream: bytes | memoryview, shift: int, want: int, reach: list[int]
+    ) -> bytes:
+        """Inflate `stream` a part of the block at a time (the stream's
+        bytes sit `shift` after the block's), noting the output after each."""
+        part = self.index.part
+        pieces: list[bytes] = []
+        total = 0
+        edges = [i * part + shift for i in range(1, parts.count(len(stream) - shift, part))]
+        for lo, hi in zip([0, *edges], [*edges, len(stream)], strict=True):
+            piece = inflater.decompress(stream[lo:hi], want - total)
+            pieces.append(piece)
+            total += len(piece)
+            reach.append(total)
+            if total == want:
+                break
+        return b"".join(pieces)
 
     def _inflate_with_zran(self, number: int, data: bytes | memoryview, want: int) -> bytes:
         block = self.index.blocks[number]

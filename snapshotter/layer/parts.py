@@ -20,7 +20,9 @@ has the digest sha256 of its bytes, as in earlier versions.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+from dataclasses import dataclass
 
 # The part `bootseer index` cuts blocks into. A block fetched only up to a
 # byte a start needs moves on average half a part beyond it: about 3 MB over
@@ -36,6 +38,20 @@ LINK_BYTES = 32
 def count(size: int, part: int) -> int:
     """The parts of a block of `size` compressed bytes (at least one)."""
     return max(1, -(-size // part))
+
+
+def links(data: bytes | memoryview, part: int) -> list[bytes]:
+    """Every link of a block's chain, from its digest on: links(...)[k] is
+    what its first k parts check against the digest with (k >= 1)."""
+    view = memoryview(data)
+    n = count(len(view), part)
+    out = [b""] * n
+    after = b""
+    for i in range(n - 1, -1, -1):
+        h = hashlib.sha256(view[i * part : (i + 1) * part])
+        h.update(after)
+        after = out[i] = h.digest()
+    return out
 
 
 def chain_digest(data: bytes | memoryview, part: int, after: bytes = b"") -> str:
@@ -62,3 +78,22 @@ def valid_part(part: object) -> bool:
 def block_digest(data: bytes | memoryview, part: int) -> str:
     """A whole block's digest in an index with this `part` (0: before version 4)."""
     return chain_digest(data, part) if part else hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Reach:
+    """How far a block's first parts take it, as its decoding found:
+    `outputs[i]` uncompressed bytes from its first i + 1 parts, and
+    `links[k]` the link after its first k parts (links())."""
+
+    outputs: tuple[int, ...]
+    links: tuple[bytes, ...]
+
+    def prefix(self, needed: int, part: int) -> tuple[int, bytes] | None:
+        """(compressed bytes, link) of the fewest first parts that give the
+        block's first `needed` uncompressed bytes; None if only the whole
+        block does."""
+        i = bisect.bisect_left(self.outputs, needed)
+        if i + 1 >= min(len(self.outputs) + 1, len(self.links)):
+            return None
+        return (i + 1) * part, self.links[i + 1]

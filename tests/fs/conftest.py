@@ -62,8 +62,11 @@ class Events:
     covered: set[str] = field(default_factory=set)
     accessed: set[tuple[str, int]] = field(default_factory=set)
 
-    def access(self, layer: str, block: int) -> None:
+    def access(self, layer: str, block: int, extent: int) -> None:
         self.accessed.add((layer, block))
+
+    def records(self, layer: str) -> bool:
+        return False
 
     async def notify(self, name: str, request: object = None) -> None:
         pass

@@ -13,6 +13,7 @@ the dead registry costs about 2-4 s of backoff before it gives up.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import random
 import socket
@@ -34,6 +35,7 @@ from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.fs.control import ImageRequest, write_request
 from snapshotter.fs.layers import LayerStore
 from snapshotter.fs.reader import LayerReader
+from snapshotter.layer import parts
 from snapshotter.registry.client import RegistryClient
 from tests.fs.conftest import Blob, add_layer, make_layer
 
@@ -70,7 +72,8 @@ class Served:
 
 class Node:
     """The hot-block side of one layer server: the tracker wired to its
-    layers' readers as LayerFS wires it (on_access -> HotBlocks.access), and
+    layers' readers as LayerFS wires it (on_access -> HotBlocks.access,
+    records -> HotBlocks.records), and
     a log of every Range fetch, in order, across all layers."""
 
     def __init__(self, tmp_path: Path, layers: int, prefetch_parallel: int, idle_s: float, max_s: float) -> None:
@@ -110,6 +113,7 @@ class Node:
                 background_limiter,
                 prefetch_decode_limiter,
                 self.hot.access,
+                records=self.hot.records,
             )
             self.layers[digest] = Served(reader)
             self.digests.append(digest)
@@ -325,7 +329,8 @@ def test_unusable_manifest_is_ignored_and_the_run_recorded(make_node: Callable[.
 def test_first_run_is_recorded_and_kept_locally_when_publishing_fails(make_node: Callable[..., Node]) -> None:
     """No manifest here or in the (unreachable) registry: the first run's
     block reads are recorded, in first-access order, with the blocks' index
-    digests and compressed sizes; once the run settles the manifest, which
+    digests and, as the run read only each block's first bytes, its first
+    part and the link after it; once the run settles the manifest, which
     cannot be published, is kept in the local store. Reads of a layer the
     image does not have, and repeated reads, add nothing."""
     node = make_node(layers=3, idle_s=0.3)
@@ -351,9 +356,14 @@ def test_first_run_is_recorded_and_kept_locally_when_publishing_fails(make_node:
         (node.digests[0], 9),
     ]
     for b in recorded.blocks:
-        index_block = node.layers[b.layer].reader.index.blocks[b.block]
+        reader = node.layers[b.layer].reader
+        index_block = reader.index.blocks[b.block]
         assert b.digest == index_block.digest
-        assert b.size == index_block.cend - index_block.cstart
+        assert b.size == reader.index.part < index_block.cend - index_block.cstart
+        compressed = layer_blob(node.digests.index(b.layer))[index_block.cstart : index_block.cend]
+        assert b.link == parts.links(compressed, reader.index.part)[1].hex()
+    # The recording over, its layers' readers keep no reaches.
+    assert not any(served.reader.reaches for served in node.layers.values())
     times = [b.first_access_ms for b in recorded.blocks]
     assert times == sorted(times) and len(set(times)) == len(times)
     assert recorded.total_bytes == sum(b.size for b in recorded.blocks)
@@ -532,3 +542,61 @@ def test_a_first_run_covers_no_layer(make_node: Callable[..., Node]) -> None:
 
     run(node, body)
     assert found == [False]
+
+
+def test_a_block_recorded_as_read_only_at_its_start_is_prefetched_only_so_far(make_node: Callable[..., Node]) -> None:
+    """A first run reads the start of some blocks and the whole of another:
+    its manifest asks only the first part of the former. A second node
+    prefetches from it: one Range request per such block ends after that
+    part, the block's start is served from the cache, and a read beyond it
+    fetches the block whole and gets the layer's bytes."""
+    first = make_node(layers=1, idle_s=0.3)
+    # Apart: a block whose left-out rest is under MIN_LEFT_OUT (these are
+    # about 64 KiB) is fetched whole when the next block is hot.
+    starts, whole = [2, 5, 7], 9
+
+    async def record(node: Node) -> None:
+        await announce(node)
+        await wait_for("a recording to start", lambda: recording(node))
+        for n in starts:
+            await read_block(node, 0, n)
+        b = node.reader(0).index.blocks[whole]
+        assert len(await node.reader(0).read(b.ustart, b.uend)) == b.uend - b.ustart
+        await wait_for("the recorded manifest", lambda: node.local.get(IMAGE))
+
+    run(first, record)
+    manifest = first.local.get(IMAGE)
+    assert manifest is not None
+    part = first.reader(0).index.part
+    assert {b.block: (b.size, b.partial) for b in manifest.blocks} == {
+        **dict.fromkeys(starts, (part, True)),
+        whole: (first.block(0, whole).size, False),
+    }
+
+    second = make_node(layers=1)
+    second.local.put(manifest)
+    reader = second.reader(0)
+    blocks = reader.index.blocks
+    stream = gzip.decompress(layer_blob(0))
+
+    async def prefetch(node: Node) -> None:
+        await announce(node)
+        await wait_for("the prefetch to finish", lambda: prefetch_finished(node))
+        first_parts = [(node.digests[0], blocks[n].cstart, blocks[n].cstart + part) for n in starts]
+        assert sorted(node.fetches) == sorted([*first_parts, node.run_range(0, whole, whole)])
+        assert set(reader.partial) == set(starts) and reader.cached == {whole}
+        fetched = len(node.fetches)
+        for n in starts:
+            await read_block(node, 0, n)
+        assert len(node.fetches) == fetched
+        b = blocks[7]
+        assert await reader.read(b.uend - 100, b.uend) == stream[b.uend - 100 : b.uend]
+        assert node.fetches[fetched:] == [node.run_range(0, 7, 7)]
+        assert 7 in reader.cached and 7 not in reader.partial
+
+    run(second, prefetch)
+    # What the cache holds of the blocks fetched only in part is what the
+    # block index records, for the next server to check and serve.
+    records = second.block_index.cached(reader.cache_key)
+    assert records[2].size == reader.partial[2] < blocks[2].uend - blocks[2].ustart
+    assert records[7].size == blocks[7].uend - blocks[7].ustart

@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snapshotter.layer import parts
+from snapshotter.layer.blockmath import MIN_LEFT_OUT, RunArrival, hot_runs
 from snapshotter.layer.build import build_index
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
-from snapshotter.layer.index import MAGIC, LayerIndex
+from snapshotter.layer.index import MAGIC, Block, LayerIndex
 
 PART = parts.MIN_PART_BYTES
 
@@ -110,3 +111,51 @@ def test_a_version_3_index_is_still_verified_block_by_whole_block(tmp_path: Path
     assert b.cend - b.cstart > parts.PART_BYTES and b.digest == hashlib.sha256(blob[b.cstart : b.cend]).hexdigest()
     n = old.blocks.index(b)
     assert BlockDecoder(old).decode(n, blob[b.cstart : b.cend]) == gzip.decompress(blob)[b.ustart : b.uend]
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_a_blocks_first_parts_decode_to_its_first_bytes_as_far_as_its_reach_says(tmp_path: Path, gz: bool) -> None:
+    blob, path = _layer(tmp_path)
+    raw = gzip.decompress(blob)
+    if not gz:
+        blob = raw
+        path.write_bytes(blob)
+    index = LayerIndex.decode(build_index(path, "sha256:" + hashlib.sha256(blob).hexdigest(), span=64 << 10).encode())
+    decoder = BlockDecoder(index)
+    tried = 0
+    for n, b in enumerate(index.blocks):
+        data = blob[b.cstart : b.cend]
+        reach: list[int] = []
+        assert decoder.decode(n, data, reach) == raw[b.ustart : b.uend]
+        count = parts.count(len(data), index.part)
+        assert reach == sorted(reach) and reach[-1] == b.uend - b.ustart and len(reach) <= count
+        links = parts.links(data, index.part)
+        assert links[0].hex() == b.digest
+        for k in range(1, min(len(reach), count)):
+            prefix = data[: k * index.part]
+            out = decoder.decode_prefix(n, prefix, links[k])
+            # Exactly the block's first bytes: at least what the reach promised.
+            assert len(out) >= reach[k - 1] and out == raw[b.ustart : b.ustart + len(out)]
+            with pytest.raises(BlockVerificationError, match="do not match"):
+                decoder.decode_prefix(n, prefix, links[k - 1] if k > 1 else bytes(32))
+            tried += 1
+        with pytest.raises(BlockVerificationError, match="not its first parts"):
+            decoder.decode_prefix(n, data, b"")
+    assert tried > 10
+
+
+def test_a_block_asked_only_for_its_first_parts_ends_its_run() -> None:
+    size = 100_000
+    blocks = [Block(i * size, (i + 1) * size, i * size, (i + 1) * size, "0" * 64) for i in range(6)]
+    positions = {n: n for n in range(6)}
+    # Block 1 leaves out 80 KB: its run ends there. Block 3 leaves out under
+    # MIN_LEFT_OUT: fetched whole, with block 4.
+    prefixes = {1: 20_000, 3: size - MIN_LEFT_OUT + 1}
+    assert [run for _, run in hot_runs(positions, blocks, prefixes)] == [[0, 1], [2, 3, 4, 5]]
+    # The response of a run ending in block 1's first parts: block 1 is
+    # handed out once those are in.
+    data = memoryview(bytes(range(256)) * 1000)[: size + 20_000]
+    arrival = RunArrival([0, 1], blocks, data, size + 20_000)
+    assert arrival.ends == [size, size + 20_000]
+    assert list(arrival.whole(size + 19_999)) == [0]
+    assert arrival.whole(size + 20_000)[1] == data[size:]
