@@ -50,12 +50,17 @@ log = structlog.get_logger("bootseer.fs")
 
 # The kernel's read-ahead on the layer mount, which is also how far it reads
 # around each page fault of a mapped file: a start maps large libraries and
-# touches them sparsely, and every block the read-around touches is fetched
-# and recorded as hot; a fully cached start gains from the larger window
-# (its requests overlap). Side by side on the training image (1 Gbit/s,
-# bench-startup): 512 KiB moved 214 MB for a prefetched start and made a
-# cached one 1.59x overlayfs's; 8 MiB 252 MB and 1.14x; 4 MiB 235 MB and 1.17x.
-KERNEL_READAHEAD = 4 << 20
+# touches them sparsely, and what the read-around reads is fetched, and
+# recorded as read, up to its last byte (hot blocks are fetched only as far
+# as a start read them); a start with every block cached gains from a larger
+# window (its requests overlap). Against 4 MiB, on the training image
+# (bench-startup, 2 runs each, minutes apart, 2026-12-07): the manifest 181
+# MB against 201 MB, a prefetched start 185 MB over the link against 205,
+# 9.00 / 9.04 s against 9.80 / 9.85 s at 200 Mbit/s and 4.49 / 4.62 s against
+# 4.51 / 4.61 s at 1 Gbit/s; a lazy start 272 MB against 293 MB, as fast
+# next to stargz (0.58 against 0.59); a start through the mount with every
+# block it reads cached 2.41 / 2.70 s against 2.31 / 2.40 s (1 Gbit/s).
+KERNEL_READAHEAD = 1 << 20
 MOUNT = MountOptions(fsname="bootseer", subtype="bootseer")
 PLAIN_MOUNT = MountOptions(fsname="bootseer-plain", subtype="bootseer")
 FSTYPE = MOUNT.fstype
