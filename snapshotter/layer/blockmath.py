@@ -16,19 +16,38 @@ from snapshotter.layer.index import Block
 # now each lands as soon as its bytes are (RunArrival).
 MAX_RUN_BYTES = 4 << 20
 
+# A hot block the manifest asks only the first parts of ends its Range
+# request, the rest of it left out, unless that rest is under this many
+# bytes: then it is fetched whole, with the hot block after it in the same
+# request. On the tabular image's recording (398 hot blocks, 194 MB),
+# computed from its reads: 110 requests and 181.9 MB with no such merging,
+# 85 and 182.5 MB at 64 KiB, 57 and 186.4 MB at 256 KiB; a request costs the
+# registry about 4 ms of CPU.
+MIN_LEFT_OUT = 64 << 10
 
-def fetch_runs(numbers: Iterable[int], blocks: list[Block], max_bytes: int = MAX_RUN_BYTES) -> list[list[int]]:
+
+def fetch_runs(
+    numbers: Iterable[int],
+    blocks: list[Block],
+    max_bytes: int = MAX_RUN_BYTES,
+    prefixes: Mapping[int, int] | None = None,
+) -> list[list[int]]:
     """Group block numbers, in the order given, into runs of consecutive
     blocks, each fetched with one Range request over
     [blocks[run[0]].cstart, blocks[run[-1]].cend). The order is the caller's:
-    file order for reads, first-access order for a hot-block manifest."""
+    file order for reads, block order for a hot-block manifest (hot_runs).
+    `prefixes`: the compressed bytes asked of blocks wanted only up to
+    their first parts; such a block ends its run (MIN_LEFT_OUT)."""
+    prefixes = prefixes or {}
     runs: list[list[int]] = []
     for n in numbers:
         if runs:
             run = runs[-1]
+            last = blocks[run[-1]]
             contiguous = n == run[-1] + 1
             size = blocks[n].cend - blocks[run[0]].cstart
-            if contiguous and size <= max_bytes:
+            left_out = last.cend - last.cstart - prefixes.get(run[-1], last.cend - last.cstart)
+            if contiguous and size <= max_bytes and left_out < MIN_LEFT_OUT:
                 run.append(n)
                 continue
         runs.append([n])
@@ -44,16 +63,6 @@ def fetch_runs(numbers: Iterable[int], blocks: list[Block], max_bytes: int = MAX
 HOT_RUN_BYTES = 8 << 20
 
 
-# A hot block the manifest asks only the first parts of ends its Range
-# request, the rest of it left out, unless that rest is under this many
-# bytes: then it is fetched whole, with the hot block after it in the same
-# request. On the tabular image's recording (398 hot blocks, 194 MB),
-# computed from its reads: 110 requests and 181.9 MB with no such merging,
-# 85 and 182.5 MB at 64 KiB, 57 and 186.4 MB at 256 KiB; a request costs the
-# registry about 4 ms of CPU.
-MIN_LEFT_OUT = 64 << 10
-
-
 def hot_runs(
     positions: dict[int, int],
     blocks: list[Block],
@@ -66,18 +75,7 @@ def hot_runs(
     earliest-read block: the prefetch takes runs in that order. `prefixes`:
     the compressed bytes the manifest asks of the blocks it wants only the
     first parts of; such a block ends its run (MIN_LEFT_OUT)."""
-    prefixes = prefixes or {}
-    runs: list[list[int]] = []
-    for n in sorted(positions):
-        if runs:
-            run = runs[-1]
-            last = blocks[run[-1]]
-            left_out = last.cend - last.cstart - prefixes.get(run[-1], last.cend - last.cstart)
-            if n == run[-1] + 1 and blocks[n].cend - blocks[run[0]].cstart <= max_bytes and left_out < MIN_LEFT_OUT:
-                run.append(n)
-                continue
-        runs.append([n])
-    return [(min(positions[n] for n in run), run) for run in runs]
+    return [(min(positions[n] for n in run), run) for run in fetch_runs(sorted(positions), blocks, max_bytes, prefixes)]
 
 
 class RunArrival:
