@@ -50,7 +50,6 @@ from snapshotter.fs import metrics
 from snapshotter.fs.blockindex import BlockIndex, BlockIndexError, BlockRecord, BlockState
 from snapshotter.fs.eviction import BlockCache, hole
 from snapshotter.fs.settings import FETCH_DEADLINE_S
-from snapshotter.layer import parts
 from snapshotter.layer.blockmath import InOrderReadAhead, RunArrival, fetch_runs
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import LayerIndex
@@ -808,7 +807,7 @@ class LayerReader:
         recording = self.records is not None and self.records(self.index.layer_digest)
         if not recording and self.reaches:
             self.reaches.clear()
-        keep = recording and link is None and self.index.part > 0 and origin in (Origin.READ, Origin.READAHEAD)
+        keep = recording and link is None and origin in (Origin.READ, Origin.READAHEAD)
         room = True
         if self.cache is not None:
             room = await self.cache.reserve(size)
@@ -850,11 +849,12 @@ class LayerReader:
         `write` false or the reader closed). `keep`: keep the block's reach."""
         if link is not None:
             data = self.decoder.decode_prefix(n, compressed, link)
+        elif keep:
+            data, reach = self.decoder.decode_reach(n, compressed)
+            if reach is not None:
+                self.reaches[n] = reach
         else:
-            reach: list[int] | None = [] if keep else None
-            data = self.decoder.decode(n, compressed, reach)
-            if reach:
-                self.reaches[n] = Reach(tuple(reach), tuple(parts.links(compressed, self.index.part)))
+            data = self.decoder.decode(n, compressed)
         if not write or self.closed:
             return data, True
         return data, self._write(n, data)

@@ -20,6 +20,7 @@ from isal import isal_zlib
 
 from snapshotter.layer import checkpoints, parts, windows
 from snapshotter.layer.index import Compression, LayerIndex
+from snapshotter.layer.parts import Reach
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
@@ -84,33 +85,50 @@ class BlockDecoder:
         self._gzip: indexed_gzip.IndexedGzipFile | None = None
 
     def verify(self, number: int, data: bytes | memoryview) -> None:
+        self._check(number, data, parts.block_digest(data, self.index.part))
+
+    def _check(self, number: int, data: bytes | memoryview, digest: str) -> None:
+        """`data`, whose digest is `digest`, is block `number`."""
         block = self.index.blocks[number]
         if len(data) != block.cend - block.cstart:
             raise BlockVerificationError(
                 f"block {number} of {self.index.layer_digest}: got {len(data)} bytes, "
                 f"expected {block.cend - block.cstart}"
             )
-        digest = parts.block_digest(data, self.index.part)
         if digest != block.digest:
             raise BlockVerificationError(
                 f"block {number} of {self.index.layer_digest}: digest {digest} does not match "
                 f"the index ({block.digest})"
             )
 
-    def decode(self, number: int, data: bytes | memoryview, reach: list[int] | None = None) -> bytes:
-        """Verify, then decompress block `number` from its compressed bytes.
-        `reach`, if given, is filled with how many output bytes the block's
-        first 1, 2, ... parts give (what a hot-block recording needs to
-        fetch a block only up to a byte); left empty where that is not
-        known (an index without parts, a block only indexed_gzip inflates)."""
+    def decode(self, number: int, data: bytes | memoryview) -> bytes:
+        """Verify, then decompress block `number` from its compressed bytes."""
         self.verify(number, data)
+        return self._decompress(number, data, None)
+
+    def decode_reach(self, number: int, data: bytes | memoryview) -> tuple[bytes, Reach | None]:
+        """decode(), and how far the block's first parts take it (what a
+        hot-block recording needs to fetch it only up to a byte): its links
+        are the ones its check hashes. None where that is not known (an
+        index without parts, a block only indexed_gzip inflates)."""
+        if not self.index.part:
+            return self.decode(number, data), None
+        chain = parts.links(data, self.index.part)
+        self._check(number, data, chain[0].hex())
+        outputs: list[int] = []
+        out = self._decompress(number, data, outputs)
+        return out, Reach(tuple(outputs), tuple(chain)) if outputs else None
+
+    def _decompress(self, number: int, data: bytes | memoryview, reach: list[int] | None) -> bytes:
+        """Block `number` from its checked bytes; `reach`, if given, filled
+        with the output bytes its first 1, 2, ... parts give, or left empty."""
         block = self.index.blocks[number]
         want = block.uend - block.ustart
         if self.index.compression != Compression.GZIP:
-            if reach is not None and self.index.part:
+            if reach is not None:
                 reach.extend(min((i + 1) * self.index.part, want) for i in range(parts.count(want, self.index.part)))
             return bytes(data)
-        out = self._inflate(number, data, want, reach if self.index.part else None)
+        out = self._inflate(number, data, want, reach)
         if out is None or len(out) != want:
             if reach:
                 reach.clear()

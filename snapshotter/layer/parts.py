@@ -40,18 +40,22 @@ def count(size: int, part: int) -> int:
     return max(1, -(-size // part))
 
 
-def links(data: bytes | memoryview, part: int) -> list[bytes]:
-    """Every link of a block's chain, from its digest on: links(...)[k] is
-    what its first k parts check against the digest with (k >= 1)."""
-    view = memoryview(data)
-    n = count(len(view), part)
+def _chain(view: memoryview, part: int, n: int, after: bytes) -> list[bytes]:
+    """The links of the first `n` parts of `view`, hashed back from the
+    last with `after` as the link that follows it, first part's first."""
     out = [b""] * n
-    after = b""
     for i in range(n - 1, -1, -1):
         h = hashlib.sha256(view[i * part : (i + 1) * part])
         h.update(after)
         after = out[i] = h.digest()
     return out
+
+
+def links(data: bytes | memoryview, part: int) -> list[bytes]:
+    """Every link of a block's chain, from its digest on: links(...)[k] is
+    what its first k parts check against the digest with (k >= 1)."""
+    view = memoryview(data)
+    return _chain(view, part, count(len(view), part), b"")
 
 
 def chain_digest(data: bytes | memoryview, part: int, after: bytes = b"") -> str:
@@ -64,11 +68,7 @@ def chain_digest(data: bytes | memoryview, part: int, after: bytes = b"") -> str
     if after and len(after) != LINK_BYTES:
         raise ValueError(f"a link is {LINK_BYTES} bytes, not {len(after)}")
     n = len(view) // part if after else count(len(view), part)
-    for i in range(n - 1, -1, -1):
-        h = hashlib.sha256(view[i * part : (i + 1) * part])
-        h.update(after)
-        after = h.digest()
-    return after.hex()
+    return _chain(view, part, n, after)[0].hex()
 
 
 def valid_part(part: object) -> bool:

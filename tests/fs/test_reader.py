@@ -94,10 +94,10 @@ def test_prefetched_blocks_decode_outside_the_default_thread_pool(
     released = threading.Event()
     decode = reader.decoder.decode
 
-    def held(n: int, compressed: memoryview, reach: list[int] | None = None) -> bytes:
+    def held(n: int, compressed: memoryview) -> bytes:
         if n in prefetched:
             released.wait(30)
-        return decode(n, compressed, reach)
+        return decode(n, compressed)
 
     monkeypatch.setattr(reader.decoder, "decode", held)
     wanted = reader.index.blocks[8]

@@ -125,12 +125,17 @@ def test_a_blocks_first_parts_decode_to_its_first_bytes_as_far_as_its_reach_says
     tried = 0
     for n, b in enumerate(index.blocks):
         data = blob[b.cstart : b.cend]
-        reach: list[int] = []
-        assert decoder.decode(n, data, reach) == raw[b.ustart : b.uend]
+        out, found = decoder.decode_reach(n, data)
+        assert out == raw[b.ustart : b.uend] and found is not None
+        reach = found.outputs
         count = parts.count(len(data), index.part)
-        assert reach == sorted(reach) and reach[-1] == b.uend - b.ustart and len(reach) <= count
-        links = parts.links(data, index.part)
-        assert links[0].hex() == b.digest
+        assert list(reach) == sorted(reach) and reach[-1] == b.uend - b.ustart and len(reach) <= count
+        links = found.links
+        assert list(links) == parts.links(data, index.part) and links[0].hex() == b.digest
+        bad = bytearray(data)
+        bad[-1] ^= 1
+        with pytest.raises(BlockVerificationError, match="does not match"):
+            decoder.decode_reach(n, bytes(bad))
         for k in range(1, min(len(reach), count)):
             prefix = data[: k * index.part]
             out = decoder.decode_prefix(n, prefix, links[k])
