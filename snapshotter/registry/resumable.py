@@ -132,6 +132,15 @@ def read(transport: Transport, body: BlobBody, endpoint: Endpoint) -> None:
             budget.wait(delay)
 
 
+def _drained(response: httpx.Response) -> bool:
+    """Whether every byte of the body is in: the loop then ends without
+    another read, and the connection goes back to its pool. A response
+    closed before its end takes its connection with it, and every Range
+    request would pay a new one (a TCP handshake, a TLS one, slow start)."""
+    length = response.headers.get("content-length", "")
+    return length.isdigit() and int(length) == response.num_bytes_downloaded
+
+
 def _read_once(transport: Transport, body: BlobBody, endpoint: Endpoint, budget: Budget) -> None:
     """One GET from `body.offset`, delivering what it brings. A range that
     ends cleanly but short leaves `done` unset, so `read` asks again; that
@@ -170,7 +179,8 @@ def _read_once(transport: Transport, body: BlobBody, endpoint: Endpoint, budget:
                 got += len(chunk)
             if body.offset == body.end:
                 body.done = True
-                return  # closing early drops the rest of a whole-body answer
+                if not _drained(response):
+                    return  # closing early drops the rest of a whole-body answer
             # Each socket read is bounded by the request's timeout, but a
             # body trickling in would go on past the deadline without this.
             if budget.expired():

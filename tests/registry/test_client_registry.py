@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import socket
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 import pytest
@@ -59,6 +61,30 @@ def test_resolve_fetch_and_range(pushed: PushedImage) -> None:
         assert not client.blob_exists(image.ref, "sha256:" + "0" * 64)
         data, _, digest = client.fetch_manifest(image.ref.with_digest(image.manifest_digest))
         assert digest == image.manifest_digest and data == image.manifest_bytes
+
+
+def test_range_reads_keep_their_connection(pushed: PushedImage, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A range read to its last byte leaves its connection in the pool: a
+    prefetch of a hundred ranges must not pay a hundred TCP (and TLS)
+    handshakes."""
+    opened: list[tuple[str, int]] = []
+    real = socket.create_connection
+
+    def counted(address: tuple[str, int], *args: Any, **kwargs: Any) -> socket.socket:
+        opened.append(address)
+        return real(address, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", counted)
+    with _client() as client:
+        image = client.resolve(parse_reference(pushed.ref))
+        big = image.manifest.layers[1]
+        blob = _blob(pushed, big.digest)
+        before = len(opened)
+        for start in range(0, 40000, 4000):
+            got: list[bytes] = []
+            client.stream_range(image.ref, big.digest, start, start + 4000, got.append)
+            assert b"".join(got) == blob[start : start + 4000]
+        assert len(opened) - before <= 1
 
 
 def test_not_found_names_host_and_repository(registry: Registry) -> None:
