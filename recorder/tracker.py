@@ -43,7 +43,7 @@ from snapshotter.fs.control import ImageRequest, read_request
 from snapshotter.fs.layers import LayerStore
 from snapshotter.fs.reader import BlockUnavailable, Origin
 from snapshotter.fs.served import ServedLayer
-from snapshotter.layer.blockmath import hot_runs
+from snapshotter.layer.blockmath import HOT_BATCH_BYTES, HOT_BATCH_RUNS, hot_runs
 from snapshotter.layer.index import LayerIndex
 from snapshotter.layer.parts import Reach
 from snapshotter.registry.client import RegistryClient
@@ -70,8 +70,9 @@ class _Prefetch:
     manifest: HotManifest
     expected: set[str]  # the layers the manifest has blocks in
     queued: set[str] = field(default_factory=set)  # layers checked (and queued, if good)
-    # (place of the first-read block, layer, run, the run's last block's first parts if that is all it asks)
-    queue: list[tuple[int, str, list[int], dict[int, tuple[int, bytes]]]] = field(default_factory=list)
+    # (place of the first-read block, layer, run, the run's last block's
+    # first parts if that is all it asks, the run's compressed bytes)
+    queue: list[tuple[int, str, list[int], dict[int, tuple[int, bytes]], int]] = field(default_factory=list)
     layers: dict[str, ServedLayer] = field(default_factory=dict)
     arrived: trio.Event = field(default_factory=trio.Event)
     began: float = field(default_factory=time.monotonic)
@@ -81,6 +82,24 @@ class _Prefetch:
         """Workers waiting for more runs look again."""
         self.arrived.set()
         self.arrived = trio.Event()
+
+
+def _next_batch(
+    queue: list[tuple[int, str, list[int], dict[int, tuple[int, bytes]], int]],
+) -> tuple[str, list[int], dict[int, tuple[int, bytes]]]:
+    """The runs due next, taken off `queue`: the first, and those after it
+    of the same layer, up to HOT_BATCH_RUNS runs and HOT_BATCH_BYTES, which
+    the reader asks for in one request. Returns (layer, their blocks, the
+    first parts of those asked so)."""
+    _, layer, blocks, prefixes, size = heapq.heappop(queue)
+    blocks, prefixes, runs = list(blocks), dict(prefixes), 1
+    while queue and queue[0][1] == layer and runs < HOT_BATCH_RUNS and size + queue[0][4] <= HOT_BATCH_BYTES:
+        _, _, more, more_prefixes, more_size = heapq.heappop(queue)
+        blocks += more
+        prefixes.update(more_prefixes)
+        size += more_size
+        runs += 1
+    return layer, blocks, prefixes
 
 
 @dataclass
@@ -335,7 +354,9 @@ class HotBlocks:
             prefixes = {b.block: (b.size, bytes.fromhex(b.link)) for b in blocks if b.partial}
             for position, run in hot_runs(positions, index.blocks, {n: p[0] for n, p in prefixes.items()}):
                 prefix = {run[-1]: prefixes[run[-1]]} if run[-1] in prefixes else {}
-                heapq.heappush(prefetch.queue, (position, layer_digest, run, prefix))
+                last = index.blocks[run[-1]]
+                size = (last.cstart + prefix[run[-1]][0] if prefix else last.cend) - index.blocks[run[0]].cstart
+                heapq.heappush(prefetch.queue, (position, layer_digest, run, prefix, size))
         finally:
             prefetch.queued.add(layer_digest)
             prefetch.wake()
@@ -348,15 +369,15 @@ class HotBlocks:
         try:
             while image.manifest is prefetch.manifest:
                 if prefetch.queue:
-                    _, layer_digest, run, prefix = heapq.heappop(prefetch.queue)
+                    layer_digest, blocks, prefixes = _next_batch(prefetch.queue)
                     layer = prefetch.layers[layer_digest]
                     if not layer.current:
                         continue
                     try:
                         # What it fetches counts for this image (bootseer_fs_image_prefetched_bytes_total).
-                        await layer.reader.ensure(run, Origin.HOT, image=image.request.image, prefixes=prefix)
+                        await layer.reader.ensure(blocks, Origin.HOT, image=image.request.image, prefixes=prefixes)
                     except BlockUnavailable as exc:
-                        log.warning("prefetch failed", layer=layer_digest, blocks=run, error=str(exc))
+                        log.warning("prefetch failed", layer=layer_digest, blocks=blocks, error=str(exc))
                     continue
                 if prefetch.expected <= prefetch.queued:
                     break

@@ -50,7 +50,7 @@ from snapshotter.fs import metrics
 from snapshotter.fs.blockindex import BlockIndex, BlockIndexError, BlockRecord, BlockState
 from snapshotter.fs.eviction import BlockCache, hole
 from snapshotter.fs.settings import FETCH_DEADLINE_S
-from snapshotter.layer.blockmath import InOrderReadAhead, RunArrival, fetch_runs
+from snapshotter.layer.blockmath import HOT_RUN_BYTES, InOrderReadAhead, RunArrival, fetch_runs
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import LayerIndex
 from snapshotter.layer.parts import Reach
@@ -71,6 +71,9 @@ class BoundedFetcher:
 
     stream: Callable[[int, int, float, Sink], None]
     deadline_s: float = FETCH_DEADLINE_S
+    # Several ranges, each to its sink, in one request where the registry
+    # can (RegistryClient.stream_ranges); without it, a request each.
+    stream_many: Callable[[list[tuple[int, int]], float, Sequence[Sink]], None] | None = None
 
 
 # What fetches a layer's blocks. A plain (start, end) fetch cannot be told a
@@ -672,11 +675,33 @@ class LayerReader:
         them; each block's flight tells when it landed. The fetches outlive
         the ensure that started them, so that a read waits for its own
         blocks only, not for those read ahead in the same request."""
-        for run in fetch_runs(numbers, self.index.blocks):
+        prefixes = {n: f.prefix[0] for n in numbers if (f := self.inflight[n]).prefix is not None}
+        if origin is Origin.HOT:
+            # A prefetch's blocks, as hot_runs grouped them.
+            runs = fetch_runs(sorted(numbers), self.index.blocks, HOT_RUN_BYTES, prefixes)
+        else:
+            runs = fetch_runs(numbers, self.index.blocks, prefixes=prefixes)
+        for run in runs:
             # Only a run's last block can be fetched short of its end.
             for n in run[:-1]:
                 self.inflight[n].prefix = None
+        if origin is Origin.HOT and len(runs) > 1 and self.fetcher.stream_many is not None:
+            trio.lowlevel.spawn_system_task(self._fetch_batch, runs, origin, image)
+            return
+        for run in runs:
             trio.lowlevel.spawn_system_task(self._fetch_run, run, origin, deadline, image)
+
+    async def _fetch_batch(self, runs: list[list[int]], origin: Origin, image: str | None) -> None:
+        """A prefetch's runs in one multi-range request; the blocks it did
+        not land (not brought, or not verified) go run by run, as any fetch."""
+        self.busy += 1
+        try:
+            await self._fetch_runs(runs, origin, None, image)
+        finally:
+            self.busy -= 1
+        for rest in runs:
+            if rest:
+                trio.lowlevel.spawn_system_task(self._fetch_run, rest, origin, None, image)
 
     async def _fetch_run(self, run: list[int], origin: Origin, deadline: float | None, image: str | None) -> None:
         # Blocks land one by one as they are stored; what is left here when
@@ -737,61 +762,76 @@ class LayerReader:
         verifying, decoding and landing each (in parallel, removing it from
         `remaining`) as soon as its bytes are in: a read waiting on the
         first block of a run does not wait for the rest of the response."""
+        errors = await self._fetch_runs([remaining], origin, deadline, image)
+        if errors:
+            raise errors[0]
+
+    async def _fetch_runs(
+        self, runs: list[list[int]], origin: Origin, deadline: float | None, image: str | None
+    ) -> list[Exception]:
+        """_fetch_and_store for each run of `runs`, all in one request (one
+        range each); what went wrong, if anything, with the blocks not landed
+        left in their runs."""
         blocks = self.index.blocks
-        last = remaining[-1]
-        prefix = self.inflight[last].prefix
-        start = blocks[remaining[0]].cstart
-        end = blocks[last].cstart + prefix[0] if prefix is not None else blocks[last].cend
-        # Of a fixed size, so that views of it stay valid while the rest
-        # arrives. Views, not copies: a prefetch moves hundreds of megabytes
-        # through here, and the event loop would make every copy.
-        buffer = bytearray(end - start)
-        arrival = RunArrival(list(remaining), blocks, memoryview(buffer), end)
-        errors: list[Exception] = []
-        fetch_error: Exception | None = None
+        stored: list[Exception] = []
         live = True
 
-        async def store(n: int, compressed: memoryview) -> None:
-            try:
-                link = prefix[1] if prefix is not None and n == last else None
-                uncached = await self._store_block(n, compressed, origin, link)
-            except Exception as exc:
-                errors.append(exc)
-                return
-            remaining.remove(n)
-            self._land(n, None, uncached)
+        def plan(remaining: list[int]) -> tuple[tuple[int, int], _RunSink]:
+            last = remaining[-1]
+            prefix = self.inflight[last].prefix
+            start = blocks[remaining[0]].cstart
+            end = blocks[last].cstart + prefix[0] if prefix is not None else blocks[last].cend
+            # Of a fixed size, so that views of it stay valid while the rest
+            # arrives. Views, not copies: a prefetch moves hundreds of megabytes
+            # through here, and the event loop would make every copy.
+            buffer = bytearray(end - start)
+            arrival = RunArrival(list(remaining), blocks, memoryview(buffer), end)
 
-        async with trio.open_nursery() as nursery:
+            async def store(n: int, compressed: memoryview) -> None:
+                try:
+                    link = prefix[1] if prefix is not None and n == last else None
+                    uncached = await self._store_block(n, compressed, origin, link)
+                except Exception as exc:
+                    stored.append(exc)
+                    return
+                remaining.remove(n)
+                self._land(n, None, uncached)
 
             def arrived(received: int) -> None:
                 # In the event loop, from the fetch thread: it must not raise
                 # (a callback that does ends the loop), so nothing starts in
-                # the nursery once this run is over. What a fetch the
+                # the nursery once this fetch is over. What a fetch the
                 # deadline made us leave goes on delivering lands nowhere.
                 if live:
                     for n, compressed in arrival.whole(received).items():
                         nursery.start_soon(store, n, compressed)
 
-            sink = _RunSink(buffer, arrival.ends, arrived)
+            return (start, end), _RunSink(buffer, arrival.ends, arrived)
+
+        fetched: list[Exception] = []
+        async with trio.open_nursery() as nursery:
+            ranges, sinks = zip(*(plan(remaining) for remaining in runs), strict=True)
             try:
                 try:
-                    await self._fetch_range(start, end, origin, deadline, sink)
+                    await self._fetch_ranges(list(ranges), origin, deadline, list(sinks))
                 except Exception as exc:
-                    fetch_error = exc
+                    fetched.append(exc)
                 # Every block that arrived whole lands, whether or not the
                 # rest came (what the thread announced may not have run yet).
-                arrived(sink.received)
+                for sink in sinks:
+                    sink.arrived(sink.received)
             finally:
                 live = False
-        metrics.FETCHED_BYTES.inc(sink.received)
+        received = sum(sink.received for sink in sinks)
+        metrics.FETCHED_BYTES.inc(received)
         if self.on_fetched is not None:
-            self.on_fetched(self.index.layer_digest, sink.received, image, False)
-        if fetch_error is not None:
-            raise fetch_error
-        if sink.received != end - start:
-            raise BlockVerificationError(f"range {start}-{end} answered with {sink.received} bytes")
-        if errors:
-            raise errors[0]
+            self.on_fetched(self.index.layer_digest, received, image, False)
+        short = [
+            BlockVerificationError(f"range {start}-{end} answered with {sink.received} bytes")
+            for (start, end), sink in zip(ranges, sinks, strict=True)
+            if sink.received != end - start
+        ]
+        return [*fetched, *short, *stored]
 
     async def _store_block(
         self, n: int, compressed: memoryview, origin: Origin, link: bytes | None = None
@@ -859,29 +899,38 @@ class LayerReader:
             return data, True
         return data, self._write(n, data)
 
-    async def _fetch_range(self, start: int, end: int, origin: Origin, deadline: float | None, sink: _RunSink) -> None:
-        """The bytes into `sink` from a worker thread holding one of
-        `origin`'s fetch slots. The slot stays taken until the thread is
-        done, even one the deadline made us stop waiting for: threads stuck
-        on a registry never outnumber the slots."""
+    async def _fetch_ranges(
+        self, ranges: list[tuple[int, int]], origin: Origin, deadline: float | None, sinks: list[_RunSink]
+    ) -> None:
+        """The bytes of each range into its sink from a worker thread holding
+        one of `origin`'s fetch slots. The slot stays taken until the thread
+        is done, even one the deadline made us stop waiting for: threads
+        stuck on a registry never outnumber the slots."""
         limiter = self.limiters[origin]
         if deadline is None:
-            await trio.to_thread.run_sync(self._fetch_in_thread, start, end, None, sink, limiter=limiter)
+            await trio.to_thread.run_sync(self._fetch_in_thread, ranges, None, sinks, limiter=limiter)
             return
         with trio.move_on_at(_on_trio_clock(deadline)):
             await trio.to_thread.run_sync(
-                self._fetch_in_thread, start, end, deadline, sink, limiter=limiter, abandon_on_cancel=True
+                self._fetch_in_thread, ranges, deadline, sinks, limiter=limiter, abandon_on_cancel=True
             )
             return
+        what = ", ".join(f"[{start}, {end})" for start, end in ranges)
         raise BlockUnavailable(
-            f"range [{start}, {end}) of layer {self.name} not fetched within the "
+            f"range {what} of layer {self.name} not fetched within the "
             f"{self.fetcher.deadline_s:g} s fetch deadline; the registry is stalled or too slow"
         )
 
-    def _fetch_in_thread(self, start: int, end: int, deadline: float | None, sink: _RunSink) -> None:
+    def _fetch_in_thread(self, ranges: list[tuple[int, int]], deadline: float | None, sinks: list[_RunSink]) -> None:
         # A deadline not set yet (a prefetch's) starts now that the fetch has its slot.
         began = time.monotonic()
-        self.fetcher.stream(start, end, began + self.fetcher.deadline_s if deadline is None else deadline, sink)
+        deadline = began + self.fetcher.deadline_s if deadline is None else deadline
+        if len(ranges) == 1:
+            (start, end), (sink,) = ranges[0], sinks
+            self.fetcher.stream(start, end, deadline, sink)
+        else:
+            assert self.fetcher.stream_many is not None
+            self.fetcher.stream_many(ranges, deadline, sinks)
         metrics.FETCH_SECONDS.observe(time.monotonic() - began)
 
     def _write(self, number: int, data: bytes) -> bool:

@@ -162,6 +162,7 @@ def serve(
                 ref, source.digest, start, end, sink, deadline=deadline
             ),
             fs.fetch_deadline_s,
+            lambda ranges, deadline, sinks: client.stream_ranges(ref, source.digest, ranges, sinks, deadline=deadline),
         )
 
     cap = cache_cap(fs, store.root)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -34,9 +34,9 @@ from urllib.parse import urljoin
 import httpx
 import structlog
 
-from snapshotter.registry import media, resumable
+from snapshotter.registry import media, multirange, resumable
 from snapshotter.registry.auth import Keychain
-from snapshotter.registry.errors import DigestMismatch, NotFound, ServerError, Unreachable
+from snapshotter.registry.errors import DigestMismatch, NotFound, RegistryError, ServerError, Unreachable
 from snapshotter.registry.health import MirrorPolicy
 from snapshotter.registry.hosts import Endpoint
 from snapshotter.registry.media import Descriptor, Index, Manifest, Platform
@@ -336,6 +336,37 @@ class RegistryClient:
         # continues from what `sink` already has; one that ignored Range for
         # this blob is not asked for a while.
         self.transport.over_endpoints(ref, "pull", partial(resumable.read, self.transport, body), ranges_of=digest)
+
+    def stream_ranges(
+        self,
+        ref: Reference,
+        digest: str,
+        ranges: Sequence[tuple[int, int]],
+        sinks: Sequence[Callable[[bytes], None]],
+        *,
+        deadline: float | None = None,
+    ) -> None:
+        """stream_range for each of several ranges of one blob, `sinks[i]`
+        getting `ranges[i]`'s bytes: asked in one request where the host
+        serves multipart/byteranges, and what that does not bring, one
+        request per range."""
+        media.check_digest(digest)
+        if len(ranges) != len(sinks) or any(not 0 <= start < end for start, end in ranges):
+            raise ValueError(f"bad ranges {list(ranges)}")
+        pairs = zip(ranges, sinks, strict=True)
+        bodies = [BlobBody(ref, digest, sink, start, end, deadline) for (start, end), sink in pairs]
+        if len(bodies) > 1:
+            try:
+                self.transport.over_endpoints(
+                    ref, "pull", partial(multirange.read_many, self.transport, bodies), ranges_of=digest
+                )
+            except RegistryError as exc:
+                # The requests one range each say what is wrong, with their own retries.
+                log.info("registry.multirange_failed", digest=digest, reason=str(exc))
+        for body in bodies:
+            if not body.done:
+                read = partial(resumable.read, self.transport, body)
+                self.transport.over_endpoints(ref, "pull", read, ranges_of=digest)
 
     def push_blob(
         self, ref: Reference, data: bytes, digest: str | None = None, media_type: str = "application/octet-stream"

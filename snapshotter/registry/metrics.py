@@ -26,6 +26,14 @@ RANGE_IGNORED = Counter(
     "a mirror's further ranges of that blob go to the next host for a backoff period",
     ["host"],
 )
+MULTIRANGE_FALLBACKS = Counter(
+    "bootseer_registry_multirange_fallbacks_total",
+    "Multi-range requests (a prefetch's runs of a layer in one GET) whose ranges were "
+    "then fetched one request each, by host and reason ('whole_blob': it answered "
+    "200; 'broken': the answer broke off or did not parse); such a host is asked "
+    "range by range for a backoff period",
+    ["host", "reason"],
+)
 MIRROR_DOWN = Counter(
     "bootseer_registry_mirror_down_total",
     "Times a hosts.toml mirror failed (refused, timed out, kept breaking) and was "

@@ -50,6 +50,7 @@ from snapshotter.registry.metrics import (
     MIRROR_DOWN,
     MIRROR_MISMATCHES,
     MIRROR_SKIPPED,
+    MULTIRANGE_FALLBACKS,
     RANGE_IGNORED,
     REQUESTS,
     RETRIES,
@@ -132,6 +133,8 @@ class Transport:
         self.health = Backoffs(self.mirrors)
         # (mirror base URL, blob digest) pairs whose ranges go to the next host.
         self.ranges = Backoffs(self.mirrors)
+        # Hosts (by base URL) asked range by range, not several ranges per request, for now.
+        self.multiranges = Backoffs(self.mirrors)
 
     def close(self) -> None:
         self.pools.close()
@@ -262,6 +265,19 @@ class Transport:
         """`endpoint` answered a Range request for `digest` with 206."""
         if endpoint.mirror_of:
             self.ranges.succeeded((endpoint.base_url, digest))
+
+    def multirange_usable(self, endpoint: Endpoint) -> bool:
+        """Whether to ask `endpoint` for several ranges in one request now."""
+        return self.multiranges.usable(endpoint.base_url)
+
+    def multirange_failed(self, endpoint: Endpoint, digest: str, reason: str) -> None:
+        """`endpoint` answered a multi-range request for `digest` with the
+        whole blob ("whole_blob") or with a body that broke off or did not
+        parse: counted, and asked range by range for a backoff period."""
+        kind = "whole_blob" if reason == "whole_blob" else "broken"
+        MULTIRANGE_FALLBACKS.labels(endpoint.netloc, kind).inc()
+        period = self.multiranges.failed(endpoint.base_url)
+        log.info("registry.multirange_fallback", endpoint=endpoint.base_url, digest=digest, reason=reason, for_s=period)
 
     def try_timeout(self, endpoint: Endpoint, budget: Budget) -> httpx.Timeout | None:
         """The timeouts of the next try on `endpoint`: the client's timeout,

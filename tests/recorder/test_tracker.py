@@ -18,7 +18,7 @@ import hashlib
 import random
 import socket
 import tarfile
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,8 @@ from recorder.tracker import HotBlocks, HotBlockSettings
 from snapshotter.fs.blockindex import BlockIndex
 from snapshotter.fs.control import ImageRequest, write_request
 from snapshotter.fs.layers import LayerStore
-from snapshotter.fs.reader import LayerReader
+from snapshotter.fs.reader import BoundedFetcher, LayerReader, Sink
+from snapshotter.fs.settings import FETCH_DEADLINE_S
 from snapshotter.layer import parts
 from snapshotter.registry.client import RegistryClient
 from tests.fs.conftest import Blob, add_layer, make_layer
@@ -83,6 +84,8 @@ class Node:
         self.client = RegistryClient(plain_http=True, certs_dir=tmp_path / "certs.d", retries=0)
         self.ref = f"127.0.0.1:{closed_port()}/test/hot:latest"
         self.fetches: list[tuple[str, int, int]] = []
+        # The ranges of each request (several: one multi-range request).
+        self.requests: list[list[tuple[int, int]]] = []
         self.layers: dict[str, Served] = {}
         self.hot = HotBlocks(
             self.store,
@@ -118,12 +121,19 @@ class Node:
             self.layers[digest] = Served(reader)
             self.digests.append(digest)
 
-    def _fetcher(self, digest: str, blob: Blob) -> Callable[[int, int], bytes]:
-        def fetch(start: int, end: int) -> bytes:
+    def _fetcher(self, digest: str, blob: Blob) -> BoundedFetcher:
+        def stream(start: int, end: int, _deadline: float, sink: Sink) -> None:
+            self.requests.append([(start, end)])
             self.fetches.append((digest, start, end))
-            return blob.fetch(start, end)
+            sink(blob.fetch(start, end))
 
-        return fetch
+        def stream_many(ranges: list[tuple[int, int]], _deadline: float, sinks: Sequence[Sink]) -> None:
+            self.requests.append(list(ranges))
+            for (start, end), sink in zip(ranges, sinks, strict=True):
+                self.fetches.append((digest, start, end))
+                sink(blob.fetch(start, end))
+
+        return BoundedFetcher(stream, FETCH_DEADLINE_S, stream_many)
 
     async def _layer_for(self, digest: str) -> Served | None:
         return self.layers.get(digest)
@@ -261,6 +271,8 @@ def test_prefetch_follows_first_access_across_layers_in_merged_runs(make_node: C
     for layer in (l1, l2):
         digest = node.digests[layer]
         assert [f for f in node.fetches if f[0] == digest] == [f for f in expected if f[0] == digest]
+    # Layer 2's runs [0] and [9] are due one after the other: one request.
+    assert [r[1:] for r in expected[2:4]] in node.requests and len(node.requests) == 4
     assert node.reader(l1).cached == {1, 5, 6, 7}
     assert node.reader(l2).cached == {0, 3, 4, 9}
     # A usable manifest and no `record` request: this run is not recorded.
