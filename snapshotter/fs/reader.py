@@ -677,8 +677,10 @@ class LayerReader:
         blocks only, not for those read ahead in the same request."""
         prefixes = {n: f.prefix[0] for n in numbers if (f := self.inflight[n]).prefix is not None}
         if origin is Origin.HOT:
-            # A prefetch's blocks, as hot_runs grouped them.
+            # A prefetch's blocks, as hot_runs grouped them, the runs in the order given (first access).
+            place = {n: i for i, n in enumerate(numbers)}
             runs = fetch_runs(sorted(numbers), self.index.blocks, HOT_RUN_BYTES, prefixes)
+            runs.sort(key=lambda run: place[run[0]])
         else:
             runs = fetch_runs(numbers, self.index.blocks, prefixes=prefixes)
         for run in runs:

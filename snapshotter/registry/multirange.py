@@ -30,7 +30,8 @@ def read_many(transport: Transport, bodies: Sequence[BlobBody], endpoint: Endpoi
     """Deliver what one request to `endpoint` brings of `bodies` (ranges of
     one blob, each with an end); a body that got all its bytes is `done`.
     Raises only for an answer that is an error (404, 401, ...)."""
-    wanted = sorted((b for b in bodies if not b.done), key=lambda b: b.offset)
+    # In the order given: a server sends the parts in the order asked.
+    wanted = [b for b in bodies if not b.done]
     if len(wanted) < 2 or not transport.multirange_usable(endpoint):
         return
     ref, digest = wanted[0].ref, wanted[0].digest
@@ -49,7 +50,8 @@ def read_many(transport: Transport, bodies: Sequence[BlobBody], endpoint: Endpoi
         if response.status_code != 206:
             raise unexpected(response, f"blob {digest}", ref)
         # Read to the end, so that the connection goes back to its pool.
-        for offset, piece in _pieces(response, wanted[0].offset, _end(wanted[-1])):
+        first, last = min(b.offset for b in wanted), max(_end(b) for b in wanted)
+        for offset, piece in _pieces(response, first, last):
             _deliver(wanted, offset, piece)
             if budget.expired():
                 return

@@ -123,6 +123,10 @@ def test_several_ranges_in_one_request(proxy: FaultProxy, pushed: PushedImage) -
         assert _ranges_of(client, ref, layer.digest, RANGES) == [blob[s:e] for s, e in RANGES]
         sent = proxy.requests("GET", "/blobs/")
         assert [s.headers.get("Range") for s in sent] == ["bytes=0-9,5000-8999,9000-9000,50000-119999,150000-150099"]
+        # Asked in another order (first access, not offset), served in it.
+        later = RANGES[::-1]
+        assert _ranges_of(client, ref, layer.digest, later) == [blob[s:e] for s, e in later]
+        assert proxy.requests("GET", "/blobs/")[-1].headers.get("Range", "").startswith("bytes=150000-150099,")
 
 
 def test_a_whole_blob_answer_to_several_ranges_goes_range_by_range(proxy: FaultProxy, pushed: PushedImage) -> None:
