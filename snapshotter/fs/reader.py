@@ -698,9 +698,12 @@ class LayerReader:
         not land (not brought, or not verified) go run by run, as any fetch."""
         self.busy += 1
         try:
-            await self._fetch_runs(runs, origin, None, image)
+            errors = await self._fetch_runs(runs, origin, None, image)
         finally:
             self.busy -= 1
+        if errors:
+            metrics.VERIFY_FAILURES.inc(sum(isinstance(e, BlockVerificationError) for e in errors))
+            log.warning("prefetch batch fell short; the rest go run by run", layer=self.name, error=str(errors[0]))
         for rest in runs:
             if rest:
                 trio.lowlevel.spawn_system_task(self._fetch_run, rest, origin, None, image)

@@ -27,6 +27,7 @@ import pytest
 import structlog
 import trio
 import trio.testing
+from prometheus_client import REGISTRY
 
 from recorder.localstore import LocalManifests
 from recorder.manifest import HotBlock, HotManifest
@@ -279,6 +280,36 @@ def test_prefetch_follows_first_access_across_layers_in_merged_runs(make_node: C
     assert node.reader(l2).cached == {0, 3, 4, 9}
     # A usable manifest and no `record` request: this run is not recorded.
     assert not recording(node)
+
+
+def test_a_batch_whose_run_fails_its_check_fetches_that_run_again(make_node: Callable[..., Node]) -> None:
+    """One multi-range answer for three runs, the middle one's bytes
+    corrupted: the other two land from it, the middle run is fetched again
+    in a request of its own and lands, and the failure is counted."""
+    node = make_node(prefetch_parallel=1)
+    node.local.put(HotManifest(IMAGE, 1, [node.block(0, n, ms) for ms, n in enumerate((1, 4, 7))]))
+    reader = node.reader(0)
+    inner = reader.fetcher
+    assert isinstance(inner, BoundedFetcher) and inner.stream_many is not None
+    stream_many = inner.stream_many
+
+    def corrupting(ranges: list[tuple[int, int]], deadline: float, sinks: Sequence[Sink]) -> None:
+        def flipped(chunk: bytes) -> None:
+            sinks[1](bytes([chunk[0] ^ 1]) + chunk[1:])
+
+        stream_many(ranges, deadline, [sinks[0], flipped, *sinks[2:]])
+
+    reader.fetcher = BoundedFetcher(inner.stream, inner.deadline_s, corrupting)
+    failures = REGISTRY.get_sample_value("bootseer_fs_verify_failures_total") or 0.0
+
+    async def body(node: Node) -> None:
+        await announce(node)
+        await wait_for("every hot block", lambda: reader.cached >= {1, 4, 7})
+
+    run(node, body)
+    runs = [node.run_range(0, n, n)[1:] for n in (1, 4, 7)]
+    assert node.requests == [runs, [runs[1]]]
+    assert (REGISTRY.get_sample_value("bootseer_fs_verify_failures_total") or 0.0) == failures + 1
 
 
 def test_an_image_announced_before_its_layers_is_decided_on_at_once(make_node: Callable[..., Node]) -> None:
