@@ -43,7 +43,7 @@ from snapshotter.fs.control import ImageRequest, read_request
 from snapshotter.fs.layers import LayerStore
 from snapshotter.fs.reader import BlockUnavailable, Origin
 from snapshotter.fs.served import ServedLayer
-from snapshotter.layer.blockmath import HOT_BATCH_BYTES, HOT_BATCH_RUNS, hot_runs
+from snapshotter.layer.blockmath import HOT_BATCH_BYTES, HOT_BATCH_RUNS, hot_runs, run_span
 from snapshotter.layer.index import LayerIndex
 from snapshotter.layer.parts import Reach
 from snapshotter.registry.client import RegistryClient
@@ -354,9 +354,8 @@ class HotBlocks:
             prefixes = {b.block: (b.size, bytes.fromhex(b.link)) for b in blocks if b.partial}
             for position, run in hot_runs(positions, index.blocks, {n: p[0] for n, p in prefixes.items()}):
                 prefix = {run[-1]: prefixes[run[-1]]} if run[-1] in prefixes else {}
-                last = index.blocks[run[-1]]
-                size = (last.cstart + prefix[run[-1]][0] if prefix else last.cend) - index.blocks[run[0]].cstart
-                heapq.heappush(prefetch.queue, (position, layer_digest, run, prefix, size))
+                start, end = run_span(run, index.blocks, prefix[run[-1]][0] if prefix else None)
+                heapq.heappush(prefetch.queue, (position, layer_digest, run, prefix, end - start))
         finally:
             prefetch.queued.add(layer_digest)
             prefetch.wake()

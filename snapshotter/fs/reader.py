@@ -50,7 +50,7 @@ from snapshotter.fs import metrics
 from snapshotter.fs.blockindex import BlockIndex, BlockIndexError, BlockRecord, BlockState
 from snapshotter.fs.eviction import BlockCache, hole
 from snapshotter.fs.settings import FETCH_DEADLINE_S
-from snapshotter.layer.blockmath import HOT_RUN_BYTES, InOrderReadAhead, RunArrival, fetch_runs
+from snapshotter.layer.blockmath import HOT_RUN_BYTES, InOrderReadAhead, RunArrival, fetch_runs, run_span
 from snapshotter.layer.decode import BlockDecoder, BlockVerificationError
 from snapshotter.layer.index import LayerIndex
 from snapshotter.layer.parts import Reach
@@ -784,8 +784,7 @@ class LayerReader:
         def plan(remaining: list[int]) -> tuple[tuple[int, int], _RunSink]:
             last = remaining[-1]
             prefix = self.inflight[last].prefix
-            start = blocks[remaining[0]].cstart
-            end = blocks[last].cstart + prefix[0] if prefix is not None else blocks[last].cend
+            start, end = run_span(remaining, blocks, prefix[0] if prefix is not None else None)
             # Of a fixed size, so that views of it stay valid while the rest
             # arrives. Views, not copies: a prefetch moves hundreds of megabytes
             # through here, and the event loop would make every copy.

@@ -63,6 +63,13 @@ def fetch_runs(
 HOT_RUN_BYTES = 8 << 20
 
 
+def run_span(run: list[int], blocks: list[Block], prefix: int | None = None) -> tuple[int, int]:
+    """[start, end) of the compressed bytes one Range request fetches for
+    `run`; `prefix`: the bytes asked of its last block, if only its first parts."""
+    last = blocks[run[-1]]
+    return blocks[run[0]].cstart, last.cstart + prefix if prefix is not None else last.cend
+
+
 # A prefetch worker takes the runs due next of one layer, up to this many
 # and these bytes, and asks for them in one multi-range request (where the
 # registry serves those: RegistryClient.stream_ranges). docker-registry 2.8
