@@ -66,7 +66,7 @@ def _served(layers: list[tuple[LayerIndex, bytes]], count: int) -> dict[str, flo
     config.path.write_text(text.replace("\n[registry]\n", f"unload_idle_s = {UNLOAD_IDLE_S}\n\n[registry]\n", 1))
     store = LayerStore(config.store)
     for index, encoded in layers[: count * LAYERS]:
-        store.add(index, LayerSource(ref="127.0.0.1:1/bench/rss", digest=index.layer_digest), encoded)
+        store.add(index.header, LayerSource(ref="127.0.0.1:1/bench/rss", digest=index.layer_digest), encoded)
     server = LayerServer(config)
     try:
         server.start()

@@ -44,7 +44,15 @@ from snapshotter.fs.fusewire.connection import mounted_fstype
 from snapshotter.fs.layers import LayerSource, LayerStore, layer_name
 from snapshotter.labels import RemoteLayerLabels
 from snapshotter.layer.artifact import index_blobs
-from snapshotter.layer.index import ARTIFACT_TYPE, IndexFormatError, LayerIndex, chain_id, is_sha256_digest
+from snapshotter.layer.index import (
+    ARTIFACT_TYPE,
+    IndexFormatError,
+    IndexHeader,
+    LayerIndex,
+    ParsedIndex,
+    chain_id,
+    is_sha256_digest,
+)
 from snapshotter.layer.signature import Signature
 from snapshotter.layer.tree import implicit_dirs, shows_xattrs
 from snapshotter.model import Snapshot
@@ -217,7 +225,9 @@ class _IndexFetch:
         a stored one while the store still holds that very copy (not
         pruned, not replaced)."""
         if self.settled_at is None:
-            return True
+            # In flight, or just ended: it is settled right after, in the
+            # fetch's thread, and its Prepare may come in between.
+            return not (own and self.future.done() and self.future.exception() is not None)
         if now - self.settled_at >= INDEX_REUSE_S:
             return False
         if self.generation is None:
@@ -455,18 +465,25 @@ class RemoteLayers:
                     f"by an older bootseer or from an index no trusted key signed) than the trusted {blob.digest}; "
                     "the layer unpacks the normal way until no snapshot uses that copy and it is pruned",
                 )
-            self._check_index(ref, manifest_digest, layer_digest, stored, blob.digest)
+            self._check_index(ref, manifest_digest, layer_digest, stored.header, blob.digest)
             return stored
-        index, encoded, blob = self._fetch_index(ref, manifest_digest, layer_digest)
+        parsed, encoded, blob = self._fetch_index(ref, manifest_digest, layer_digest)
         source = LayerSource(ref=ref.name, digest=layer_digest, signature=Signature.from_annotations(blob.annotations))
-        self.store.add(index, source, encoded)
+        self.store.add(parsed.header, source, encoded)
         try:
-            # The layer server decodes the index while the layers below are
-            # prepared: its load, in this layer's turn, only builds the tree.
+            # The layer server decodes the index and builds its tree while
+            # the layers below are prepared, and while this makes the
+            # entries: its load, in this layer's turn, is quick.
             control.open_ahead(self.mountpoint, name)
         except OSError as exc:
             log.debug("layer server could not open a layer ahead", layer=layer_digest, error=str(exc))
-        return index
+        try:
+            return parsed.index()
+        except IndexFormatError as exc:
+            # The layer server refuses it too. Not kept: a later Prepare
+            # fetches the index again (the registry's may be mended by then).
+            self.store.remove(name)
+            raise NotLazy(Reason.INDEX_REFUSED, f"the index of {layer_digest} is unusable: {exc}") from None
 
     def _preload(self, layer_digest: str) -> bool:
         """Have the layer server load the layer now (decode its index, build
@@ -539,18 +556,19 @@ class RemoteLayers:
 
     def _fetch_index(
         self, ref: Reference, manifest_digest: str, layer_digest: str
-    ) -> tuple[LayerIndex, bytes, Descriptor]:
-        """The trusted index of a layer, its encoding and its blob's descriptor."""
+    ) -> tuple[ParsedIndex, bytes, Descriptor]:
+        """The trusted index of a layer, parsed and its header checked
+        against the image, its encoding and its blob's descriptor."""
         blob = self._trusted_blob(ref, manifest_digest, layer_digest)
         buffer = io.BytesIO()
         self.client.fetch_blob(ref, blob.digest, buffer)
         encoded = buffer.getvalue()
         try:
-            index = LayerIndex.decode(encoded, checkpoints=False)
+            parsed = LayerIndex.parse(encoded, checkpoints=False)
         except IndexFormatError as exc:
             raise NotLazy(Reason.INDEX_REFUSED, f"the index of {layer_digest} is unusable: {exc}") from None
-        self._check_index(ref, manifest_digest, layer_digest, index, blob.digest)
-        return index, encoded, blob
+        self._check_index(ref, manifest_digest, layer_digest, parsed.header, blob.digest)
+        return parsed, encoded, blob
 
     def _trusted_blob(self, ref: Reference, manifest_digest: str, layer_digest: str) -> Descriptor:
         """The descriptor of the newest index blob of the layer a trusted key signed."""
@@ -566,14 +584,14 @@ class RemoteLayers:
         return blob
 
     def _check_index(
-        self, ref: Reference, manifest_digest: str, layer_digest: str, index: LayerIndex, blob_digest: str
+        self, ref: Reference, manifest_digest: str, layer_digest: str, header: IndexHeader, blob_digest: str
     ) -> None:
         """Refuse (NotLazy) an index that does not describe exactly this layer."""
-        if index.layer_digest != layer_digest:
+        if header.layer_digest != layer_digest:
             raise NotLazy(
-                Reason.INDEX_REFUSED, f"the index {blob_digest} describes {index.layer_digest}, not {layer_digest}"
+                Reason.INDEX_REFUSED, f"the index {blob_digest} describes {header.layer_digest}, not {layer_digest}"
             )
-        if not index.diff_id:
+        if not header.diff_id:
             raise NotLazy(
                 Reason.INDEX_REFUSED,
                 f"the index of {layer_digest} was built by an older bootseer (format version 1, no diff_id); "
@@ -584,10 +602,10 @@ class RemoteLayers:
         # An index of a blob's readable part (a truncated one, or one with
         # trailing bytes that are not gzip) would serve what containerd refuses.
         size = self._layer_size(ref, manifest_digest, layer_digest)
-        if index.compressed_size != size:
+        if header.compressed_size != size:
             raise NotLazy(
                 Reason.INDEX_REFUSED,
-                f"the index of {layer_digest} describes a blob of {index.compressed_size} bytes, "
+                f"the index of {layer_digest} describes a blob of {header.compressed_size} bytes, "
                 f"the image manifest's layer has {size}: the index does not cover the whole layer",
             )
 

@@ -8,8 +8,8 @@ work with whichever layer server holds the mount:
   layer (decode its index, build its tree), and its answer proves the server
   serves it;
 - a lookup of `.open-<layer name>` makes the server decode the layer's stored
-  index in the background (answered at once), so that the layer's load, when
-  its Prepare comes, only builds its tree;
+  index and build its tree in the background (answered at once), so that
+  the layer's load, when its Prepare comes, only gives it a slot;
 - a lookup of `.image-<manifest hex>` makes the server (re)read the image's
   request file, written first into the layer store:
 

@@ -18,8 +18,8 @@ always correct; the signal only decides how often a reload is paid.
 
 A layer's index may be decoded before its load (a lookup of `.open-<layer>`,
 fs/control.py, which the snapshotter sends as soon as it has stored the
-index): the load, in the layer's Prepare, then only builds the tree and
-takes that reader over. A reader so opened whose layer is not loaded within
+index) and its tree built: the load, in the layer's Prepare, then only
+gives them a slot. A reader so opened whose layer is not loaded within
 OPENED_ALONE_S, or that the store no longer holds, is closed at a sweep.
 
 Pruned layers (removed from the store by the snapshotter's cleanup) are
@@ -209,13 +209,26 @@ class _Layer:
 
 @dataclass
 class _Opened:
-    """A layer copy's reader, opened from the stored index ahead of the
-    layer's load (which then builds only its tree and takes this reader)."""
+    """A layer copy's reader and tree, made from the stored index ahead of
+    the layer's load (which then only gives them a slot)."""
 
     name: str
     generation: str
     reader: LayerReader
+    tree: LayerTree
+    parents: dict[int, int]
     opened_at: float = field(default_factory=time.monotonic)
+
+
+def _parents(tree: LayerTree) -> dict[int, int]:
+    """The parent of every directory but the root, for ".."."""
+    return {
+        child: ino
+        for ino, node in tree.nodes.items()
+        if node.children
+        for child in node.children.values()
+        if tree.nodes[child].is_dir
+    }
 
 
 def _guarded(
@@ -553,8 +566,8 @@ class LayerFS(fuse.Operations):
                 return opened
             loaded = self.layers_by_copy.get(key)
             if loaded is not None and loaded.loaded:
-                # Loaded while this waited: its reader it is.
-                return _Opened(name, generation, loaded.reader)
+                # Loaded while this waited: its reader and tree it is.
+                return _Opened(name, generation, loaded.reader, loaded.tree, loaded.parents)
             if self.unloadable.get(name) == generation:
                 raise ValueError(f"layer {name} cannot be loaded (see the first error logged for it)")
             pending = self._opening.get(key)
@@ -563,17 +576,28 @@ class LayerFS(fuse.Operations):
             await pending.wait()
         self._opening[key] = done = trio.Event()
         try:
-            reader = await trio.to_thread.run_sync(self._reader, name, generation)
-            opened = self.opened[key] = _Opened(name, generation, reader)
-            self.cache.attach(key, reader)
+            opened = self.opened[key] = await trio.to_thread.run_sync(self._opened_copy, name, generation)
+            self.cache.attach(key, opened.reader)
             return opened
         finally:
             del self._opening[key]
             done.set()
 
+    def _opened_copy(self, name: str, generation: str) -> _Opened:
+        """In a thread: the store's copy of `name`, which must be copy
+        `generation`, decoded, with its reader (which opens the cache file
+        and reads the block index) and its tree. Ahead of the layer's load,
+        which waits its turn behind the layers below: the tree of a big
+        layer takes a tenth of a second, more while a prefetch runs."""
+        reader = self._reader(name, generation)
+        try:
+            tree = build_tree(reader.index.entries)
+            return _Opened(name, generation, reader, tree, _parents(tree))
+        except BaseException:
+            reader.close()
+            raise
+
     def _reader(self, name: str, generation: str) -> LayerReader:
-        """In a thread: a reader of the store's copy of `name`, which must be
-        copy `generation` (it opens the cache file and reads the block index)."""
         index, source = self.store.load(name)
         if source.generation != generation:
             raise ValueError(f"the store holds another copy of layer {name} now")
@@ -597,7 +621,7 @@ class LayerFS(fuse.Operations):
 
     async def _open_ahead(self, name: str) -> None:
         """Open the store's copy of `name` ahead of its load (OPEN_PREFIX):
-        its load, when its Prepare's turn comes, then only builds its tree.
+        its load, when its Prepare's turn comes, then only gives it a slot.
         A copy that cannot be opened is refused here as its load would (one
         already refused, or already loaded, _open leaves alone)."""
         generation = await trio.to_thread.run_sync(self.store.generation, name)
@@ -632,21 +656,12 @@ class LayerFS(fuse.Operations):
     def _load(self, opened: _Opened) -> _Layer:
         """In a thread, under the load lock: the opened copy as a _Layer,
         not registered yet."""
-        name, index = opened.name, opened.reader.index
-        tree = build_tree(index.entries)
+        name, index, reader = opened.name, opened.reader.index, opened.reader
         slot = self._slot(name, opened.generation)
-        root_attr = entry_attributes(slot, tree.nodes[ROOT])
+        root_attr = entry_attributes(slot, opened.tree.nodes[ROOT])
         # Layers come and go from the store: the kernel looks them up afresh each time.
         root_attr.entry_timeout = 0
-        parents = {
-            child: ino
-            for ino, node in tree.nodes.items()
-            if node.children
-            for child in node.children.values()
-            if tree.nodes[child].is_dir
-        }
-        reader = opened.reader
-        layer = _Layer(slot, name, opened.generation, tree, reader, self.store, root_attr, parents)
+        layer = _Layer(slot, name, opened.generation, opened.tree, reader, self.store, root_attr, opened.parents)
         log.info("layer loaded", layer=name, slot=slot, blocks=len(index.blocks), cached=len(reader.cached))
         return layer
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import structlog
 
 from snapshotter.fs.blockindex import BlockIndex
-from snapshotter.layer.index import LayerIndex
+from snapshotter.layer.index import IndexHeader, LayerIndex
 from snapshotter.layer.signature import Signature
 
 log = structlog.get_logger("bootseer.fs")
@@ -113,8 +113,9 @@ class LayerStore:
     def has(self, digest: str) -> bool:
         return (self.path(layer_name(digest)) / INDEX).exists()
 
-    def add(self, index: LayerIndex, source: LayerSource, encoded: bytes) -> Path:
-        """Store a layer (index already verified); idempotent."""
+    def add(self, index: IndexHeader, source: LayerSource, encoded: bytes) -> Path:
+        """Store a layer (its index's header checked: the layer server
+        checks the whole index); idempotent."""
         final = self.path(layer_name(index.layer_digest))
         if (final / INDEX).exists():
             return final
@@ -179,16 +180,34 @@ class LayerStore:
             directory = self.path(name)
             if f"sha256:{name}" in keep or now - directory.stat().st_mtime < older_than_s:
                 continue
-            generation = self.generation(name)
-            doomed = directory.with_name(f"{_DOOMED}{name}-{uuid.uuid4().hex[:8]}")
-            try:
-                os.rename(directory, doomed)
-            except OSError as exc:
-                log.warning("could not remove a stored layer", layer=name, error=str(exc))
-                continue
-            removed.append(name)
-            if generation is not None:
-                copies.append(copy_key(name, generation))
+            doomed, copy = self._doom(name)
+            if doomed:
+                removed.append(name)
+            if copy is not None:
+                copies.append(copy)
+        self._remove(copies)
+        return removed
+
+    def remove(self, name: str) -> None:
+        """Remove layer `name` now, with its block records (the snapshotter
+        stored its index, then found the index unusable)."""
+        _, copy = self._doom(name)
+        self._remove([] if copy is None else [copy])
+
+    def _doom(self, name: str) -> tuple[bool, str | None]:
+        """Rename layer `name` away for removal: whether it was, and its copy key."""
+        directory = self.path(name)
+        generation = self.generation(name)
+        doomed = directory.with_name(f"{_DOOMED}{name}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(directory, doomed)
+        except OSError as exc:
+            log.warning("could not remove a stored layer", layer=name, error=str(exc))
+            return False, None
+        return True, None if generation is None else copy_key(name, generation)
+
+    def _remove(self, copies: list[str]) -> None:
+        """Delete what was renamed away, and the block records of `copies`."""
         self._remove_doomed()
         if copies and self.block_index_path.exists():
             # The layer server may hold the index open too: LMDB serialises
@@ -199,7 +218,6 @@ class LayerStore:
                     block_index.drop_layer(copy)
             finally:
                 block_index.close()
-        return removed
 
     def _remove_doomed(self) -> None:
         """Delete layers renamed away for removal, this call's and any an

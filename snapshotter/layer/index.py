@@ -180,6 +180,63 @@ class Block:
     digest: str  # of blob[cstart:cend], hex: sha256, or its parts' chain (LayerIndex.part)
 
 
+@dataclass(frozen=True)
+class IndexHeader:
+    """What an index says of the blob it describes, without its blocks and
+    entries: enough to check it against the image and to store it."""
+
+    layer_digest: str
+    diff_id: str  # "" in a version 1 index
+    compressed_size: int
+    uncompressed_size: int
+
+    def validate(self) -> None:
+        if not is_sha256_digest(self.layer_digest):
+            raise IndexFormatError(f"bad layer digest {self.layer_digest!r}")
+        if self.diff_id != "" and not is_sha256_digest(self.diff_id):
+            raise IndexFormatError(f"bad diff_id {self.diff_id!r}")
+        for what, value in (("compressed", self.compressed_size), ("uncompressed", self.uncompressed_size)):
+            if not (type(value) is int and 0 <= value <= MAX_LAYER_BYTES):
+                raise IndexFormatError(f"{what} size {value!r} is not between 0 and {MAX_LAYER_BYTES}")
+
+
+@dataclass
+class ParsedIndex:
+    """An index whose document is parsed and header checked (LayerIndex.parse)."""
+
+    header: IndexHeader
+    version: int
+    _doc: dict[str, Any]
+    _checkpoint_bytes: bytes
+    _checkpoints: bool
+
+    def index(self) -> LayerIndex:
+        """The whole index, every invariant checked (IndexFormatError if not)."""
+        doc, version, header = self._doc, self.version, self.header
+        try:
+            rows, block_rows = doc["entries"], doc["blocks"]
+            if not isinstance(rows, list) or len(rows) > MAX_ENTRIES:
+                raise ValueError(f"entries must be a list of at most {MAX_ENTRIES}")
+            if not isinstance(block_rows, list) or len(block_rows) > MAX_BLOCKS:
+                raise ValueError(f"blocks must be a list of at most {MAX_BLOCKS}")
+            index = LayerIndex(
+                layer_digest=header.layer_digest,
+                compression=Compression(doc["compression"]),
+                compressed_size=header.compressed_size,
+                uncompressed_size=header.uncompressed_size,
+                span=_typed(doc["span"], int),
+                blocks=[_row_block(row) for row in block_rows],
+                entries=_row_entries(rows),
+                checkpoints=self._checkpoint_bytes,
+                diff_id=header.diff_id,
+                part=_typed(doc["part"], int) if version >= 4 else 0,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise IndexFormatError(f"layer index is malformed: {exc!r}") from None
+        index.validate(self._checkpoints)
+        return index
+
+
 @dataclass
 class LayerIndex:
     layer_digest: str
@@ -231,6 +288,10 @@ class LayerIndex:
         payload = struct.pack(">I", len(body)) + body + self.checkpoints
         return MAGIC + zstandard.ZstdCompressor(level=10).compress(payload)
 
+    @property
+    def header(self) -> IndexHeader:
+        return IndexHeader(self.layer_digest, self.diff_id, self.compressed_size, self.uncompressed_size)
+
     @classmethod
     def decode(cls, data: bytes, checkpoints: bool = True) -> LayerIndex:
         """`checkpoints` False: for a reader that never inflates a block (the
@@ -238,6 +299,13 @@ class LayerIndex:
         checkpoints (most of a gzip index's bytes) are neither read nor
         checked, and the result's are empty. The layer server, which
         serves the layer, decodes and checks the whole index."""
+        return cls.parse(data, checkpoints).index()
+
+    @classmethod
+    def parse(cls, data: bytes, checkpoints: bool = True) -> ParsedIndex:
+        """decode() in two steps: the document parsed and its header
+        checked now, its blocks and entries (most of the time a big layer's
+        index takes) made and checked by ParsedIndex.index()."""
         if not data.startswith(MAGIC):
             raise IndexFormatError("not a bootseer layer index (bad magic)")
         try:
@@ -251,29 +319,18 @@ class LayerIndex:
                 f"{', '.join(map(str, READABLE_VERSIONS))}); re-run `bootseer index` with this bootseer"
             )
         try:
-            rows, block_rows = doc["entries"], doc["blocks"]
-            if not isinstance(rows, list) or len(rows) > MAX_ENTRIES:
-                raise ValueError(f"entries must be a list of at most {MAX_ENTRIES}")
-            if not isinstance(block_rows, list) or len(block_rows) > MAX_BLOCKS:
-                raise ValueError(f"blocks must be a list of at most {MAX_BLOCKS}")
-            index = cls(
+            header = IndexHeader(
                 layer_digest=_typed(doc["layer_digest"], str),
-                compression=Compression(doc["compression"]),
+                diff_id=_typed(doc["diff_id"], str) if version >= 2 else "",
                 compressed_size=_typed(doc["compressed_size"], int),
                 uncompressed_size=_typed(doc["uncompressed_size"], int),
-                span=_typed(doc["span"], int),
-                blocks=[_row_block(row) for row in block_rows],
-                entries=_row_entries(rows),
-                checkpoints=rest,
-                diff_id=_typed(doc["diff_id"], str) if version >= 2 else "",
-                part=_typed(doc["part"], int) if version >= 4 else 0,
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError) as exc:
             raise IndexFormatError(f"layer index is malformed: {exc!r}") from None
-        if version >= 2 and not is_sha256_digest(index.diff_id):
-            raise IndexFormatError(f"bad diff_id {index.diff_id!r}")
-        index.validate(checkpoints)
-        return index
+        if version >= 2 and not is_sha256_digest(header.diff_id):
+            raise IndexFormatError(f"bad diff_id {header.diff_id!r}")
+        header.validate()
+        return ParsedIndex(header, version, doc, rest, checkpoints)
 
     def validate(self, checkpoints: bool = True) -> None:
         """Refuse anything that would make the server read out of bounds,
@@ -284,13 +341,7 @@ class LayerIndex:
         _validate_entries(self.entries, self.uncompressed_size)
 
     def _validate_blocks(self, checkpoints: bool) -> None:
-        if not is_sha256_digest(self.layer_digest):
-            raise IndexFormatError(f"bad layer digest {self.layer_digest!r}")
-        if self.diff_id != "" and not is_sha256_digest(self.diff_id):
-            raise IndexFormatError(f"bad diff_id {self.diff_id!r}")
-        for what, value in (("compressed", self.compressed_size), ("uncompressed", self.uncompressed_size)):
-            if not (type(value) is int and 0 <= value <= MAX_LAYER_BYTES):
-                raise IndexFormatError(f"{what} size {value!r} is not between 0 and {MAX_LAYER_BYTES}")
+        self.header.validate()
         if not (type(self.span) is int and 0 < self.span <= MAX_BLOCK_BYTES):
             raise IndexFormatError(f"span {self.span!r} is not between 1 and {MAX_BLOCK_BYTES}")
         if self.part != 0 and not parts.valid_part(self.part):

@@ -107,7 +107,7 @@ def add_layer(store: LayerStore, tmp: Path, blob: bytes, span: int) -> str:
     path = tmp / digest.split(":")[1]
     path.write_bytes(blob)
     index = build_index(path, digest, span=span)
-    store.add(index, LayerSource(ref="127.0.0.1:1/test/layer", digest=digest), index.encode())
+    store.add(index.header, LayerSource(ref="127.0.0.1:1/test/layer", digest=digest), index.encode())
     return digest
 
 

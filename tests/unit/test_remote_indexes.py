@@ -10,7 +10,8 @@ import io
 import json
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
 
@@ -19,7 +20,7 @@ import pytest
 from snapshotter import remote as remote_mod
 from snapshotter.fs.control import CONTROL_PREFIX, ImageRequest, read_request
 from snapshotter.fs.layers import LayerStore
-from snapshotter.layer.index import LAYER_ANNOTATION, MEDIA_TYPE, LayerIndex, chain_ids
+from snapshotter.layer.index import LAYER_ANNOTATION, MEDIA_TYPE, LayerIndex, ParsedIndex, chain_ids
 from snapshotter.registry import artifact as registry_artifact
 from snapshotter.registry import media
 from snapshotter.registry.client import RegistryClient
@@ -95,11 +96,16 @@ class Image:
         )
 
 
-def _image(tmp_path: Path, corrupt: int | None = None) -> Image:
+def _image(tmp_path: Path, corrupt: int | None = None, bad_entry: int | None = None) -> Image:
+    """`corrupt`: that layer's index is not one at all; `bad_entry`: that
+    layer's index has a sound header, and an entry whose data lies past the
+    layer's end."""
     indexes, encoded, blobs, descriptors = [], {}, [], []
     for i in range(LAYERS):
         blob = layer([member(f"file{i}", data=bytes([i]) * (1000 + i))])
         index = index_of(blob, tmp_path)
+        if i == bad_entry:
+            index = replace(index, entries=[replace(e, size=index.uncompressed_size + 1) for e in index.entries])
         # A corrupt index is still the blob a trusted key signed: what a
         # broken indexer or a bad disk at the registry would publish.
         data = b"not an index" if i == corrupt else index.encode()
@@ -140,14 +146,15 @@ def _remote(tmp_path: Path, mountpoint: Path, image: Image, monkeypatch: pytest.
 
 
 def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Indexes parsed (LayerIndex.parse, which decode() goes through too)."""
     decodes = [0]
-    decode = LayerIndex.__dict__["decode"].__func__
+    parse = LayerIndex.__dict__["parse"].__func__
 
-    def counted(cls: type[LayerIndex], data: bytes, checkpoints: bool = True) -> LayerIndex:
+    def counted(cls: type[LayerIndex], data: bytes, checkpoints: bool = True) -> ParsedIndex:
         decodes[0] += 1
-        return cast(LayerIndex, decode(cls, data, checkpoints))
+        return cast(ParsedIndex, parse(cls, data, checkpoints))
 
-    monkeypatch.setattr(LayerIndex, "decode", classmethod(counted))
+    monkeypatch.setattr(LayerIndex, "parse", classmethod(counted))
     return decodes
 
 
@@ -243,6 +250,33 @@ def test_a_corrupt_index_costs_its_own_layer_and_is_asked_for_again(
     assert [image.fetches_of(i) for i in range(LAYERS) if i != bad] == [1] * (LAYERS - 1)
 
 
+def test_an_index_with_a_bad_entry_is_stored_for_the_layer_server_first_then_refused_and_removed(
+    tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layer server is told of a layer's index once its header is
+    checked, before the snapshotter makes its entries (the slow part); an
+    entry that is then refused takes the layer to the normal path, and the
+    stored copy is removed, so the next Prepare fetches the index again."""
+    bad = 2
+    image = _image(tmp_path, bad_entry=bad)
+    remote = _remote(tmp_path, node, image, monkeypatch)
+    told: list[str] = []
+    monkeypatch.setattr(remote_mod.control, "open_ahead", lambda mount, name: told.append(name))
+    for i in range(bad):
+        remote.prepare(image.prepare(i))
+    with pytest.raises(NotLazy, match="has data outside the layer") as refused:
+        remote.prepare(image.prepare(bad))
+    assert refused.value.reason is Reason.INDEX_REFUSED
+    assert image.layer_digests[bad].removeprefix("sha256:") in told
+    assert not remote.store.has(image.layer_digests[bad])
+    fetches = image.fetches_of(bad)
+    with pytest.raises(NotLazy, match="has data outside the layer"):
+        remote.prepare(image.prepare(bad))
+    assert image.fetches_of(bad) == fetches + 1
+    for i in range(bad + 1, LAYERS):
+        remote.prepare(image.prepare(i))
+
+
 def test_a_lookahead_copy_pruned_before_its_prepare_is_fetched_again(
     tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -320,3 +354,19 @@ def test_a_prepare_asks_the_layer_server_again_only_if_its_preload_did_not_show_
     layers = [name for name in looked if not name.startswith(".")]
     assert sorted(layers) == sorted([d.split(":")[1] for d in image.layer_digests] + [refused])
     assert layers.count(refused) == 2
+
+
+def test_a_fetch_that_failed_and_is_not_settled_yet_is_not_taken_by_its_own_prepare(tmp_path: Path) -> None:
+    """A fetch is settled by a callback in its thread right after it ends;
+    the layer's own Prepare may look in between, and must ask again, not
+    take the failure for a fetch still on its way."""
+    store = LayerStore(tmp_path / "layers")
+    digest = "sha256:" + "ab" * 32
+    running: Future[LayerIndex] = Future()
+    failed: Future[LayerIndex] = Future()
+    failed.set_exception(NotLazy(Reason.INDEX_REFUSED, "bad index"))
+    on_its_way = remote_mod._IndexFetch(running, threading.Event(), threading.Event())
+    ended = remote_mod._IndexFetch(failed, threading.Event(), threading.Event())
+    assert on_its_way.reusable(0.0, store, digest, own=True)
+    assert not ended.reusable(0.0, store, digest, own=True)
+    assert ended.reusable(0.0, store, digest, own=False)

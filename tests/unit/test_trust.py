@@ -215,7 +215,7 @@ def _store_unsigned(tmp_path: Path, index: LayerIndex, encoded: bytes) -> LayerS
     from snapshotter.fs.layers import LayerSource
 
     store = LayerStore(tmp_path / "layers")
-    store.add(index, LayerSource(ref="registry.example/team/app", digest=index.layer_digest), encoded)
+    store.add(index.header, LayerSource(ref="registry.example/team/app", digest=index.layer_digest), encoded)
     return store
 
 
