@@ -111,21 +111,33 @@ def _ranges_of(client: RegistryClient, ref: Reference, digest: str, ranges: list
     return [b"".join(out) for out in got]
 
 
+def _big_layer(client: RegistryClient, ref: Reference, pushed: PushedImage, proxy: FaultProxy) -> tuple[str, bytes]:
+    """The image's big layer, its digest and bytes; the proxy's log starts
+    after the resolve."""
+    digest = client.resolve(ref).manifest.layers[1].digest
+    proxy.reset()
+    return digest, _blob(pushed, digest)
+
+
+def _ranges_arrive(
+    client: RegistryClient, ref: Reference, digest: str, blob: bytes, ranges: list[tuple[int, int]]
+) -> bool:
+    """Whether stream_ranges gives every range its own bytes of `blob`."""
+    return _ranges_of(client, ref, digest, ranges) == [blob[s:e] for s, e in ranges]
+
+
 RANGES = [(0, 10), (5000, 9000), (9000, 9001), (50000, 120000), (150000, 150100)]
 
 
 def test_several_ranges_in_one_request(proxy: FaultProxy, pushed: PushedImage) -> None:
     ref = parse_reference(_at(proxy, pushed))
     with _client() as client:
-        layer = client.resolve(ref).manifest.layers[1]
-        blob = _blob(pushed, layer.digest)
-        proxy.reset()
-        assert _ranges_of(client, ref, layer.digest, RANGES) == [blob[s:e] for s, e in RANGES]
+        digest, blob = _big_layer(client, ref, pushed, proxy)
+        assert _ranges_arrive(client, ref, digest, blob, RANGES)
         sent = proxy.requests("GET", "/blobs/")
         assert [s.headers.get("Range") for s in sent] == ["bytes=0-9,5000-8999,9000-9000,50000-119999,150000-150099"]
         # Asked in another order (first access, not offset), served in it.
-        later = RANGES[::-1]
-        assert _ranges_of(client, ref, layer.digest, later) == [blob[s:e] for s, e in later]
+        assert _ranges_arrive(client, ref, digest, blob, RANGES[::-1])
         assert proxy.requests("GET", "/blobs/")[-1].headers.get("Range", "").startswith("bytes=150000-150099,")
 
 
@@ -134,27 +146,23 @@ def test_a_whole_blob_answer_to_several_ranges_goes_range_by_range(proxy: FaultP
     gets one request per range, then and for a while after."""
     ref = parse_reference(_at(proxy, pushed))
     with _client() as client:
-        layer = client.resolve(ref).manifest.layers[1]
-        blob = _blob(pushed, layer.digest)
-        proxy.reset()
+        digest, blob = _big_layer(client, ref, pushed, proxy)
         proxy.plan("strip_range", "/blobs/")
-        assert _ranges_of(client, ref, layer.digest, RANGES) == [blob[s:e] for s, e in RANGES]
+        assert _ranges_arrive(client, ref, digest, blob, RANGES)
         sent = proxy.requests("GET", "/blobs/")
         assert sent[0].fault == "strip_range"
         assert [s.headers.get("Range") for s in sent[1:]] == [f"bytes={s}-{e - 1}" for s, e in RANGES]
         proxy.reset()
-        assert _ranges_of(client, ref, layer.digest, RANGES) == [blob[s:e] for s, e in RANGES]
+        assert _ranges_arrive(client, ref, digest, blob, RANGES)
         assert len(proxy.requests("GET", "/blobs/")) == len(RANGES)
 
 
 def test_a_broken_multirange_answer_is_completed_range_by_range(proxy: FaultProxy, pushed: PushedImage) -> None:
     ref = parse_reference(_at(proxy, pushed))
     with _client() as client:
-        layer = client.resolve(ref).manifest.layers[1]
-        blob = _blob(pushed, layer.digest)
-        proxy.reset()
+        digest, blob = _big_layer(client, ref, pushed, proxy)
         proxy.plan("truncate", "/blobs/")
-        assert _ranges_of(client, ref, layer.digest, RANGES) == [blob[s:e] for s, e in RANGES]
+        assert _ranges_arrive(client, ref, digest, blob, RANGES)
         sent = proxy.requests("GET", "/blobs/")
         assert sent[0].fault == "truncate"
         # The first half of the answer held the first ranges whole: they are not asked again.
