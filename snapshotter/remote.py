@@ -68,6 +68,7 @@ from snapshotter.registry.errors import (
 from snapshotter.registry.media import Descriptor
 from snapshotter.registry.reference import Reference
 from snapshotter.registry.reference import parse as parse_reference
+from snapshotter.singleflight import SingleFlight
 from snapshotter.trust import IndexTrust
 
 if TYPE_CHECKING:
@@ -267,10 +268,14 @@ class RemoteLayers:
         # Index blobs per image manifest, and the listings under way: one
         # referrers round trip per image, however many layers ask at once.
         self._artifacts: dict[str, ImageIndexes] = {}
-        self._listing: dict[str, Future[ImageIndexes]] = {}
+        self._listing: SingleFlight[str, ImageIndexes] = SingleFlight()
         self._resolved: dict[str, str] = {}
-        # Layer blob sizes per image manifest, as its descriptors give them.
+        # Layer blob sizes per image manifest, as its descriptors give them,
+        # and the manifest fetches under way: one GET of the manifest per
+        # pull, however many layers' index checks need it at once (a
+        # registry such as Docker Hub counts each GET of a manifest as a pull).
         self._sizes: dict[str, dict[str, int]] = {}
+        self._sizing: SingleFlight[str, dict[str, int]] = SingleFlight()
         self._indexes: dict[str, _IndexFetch] = {}
         self._fetchers = ThreadPoolExecutor(max_workers=INDEX_FETCHERS, thread_name_prefix="index-fetch")
         # Reentrant: a future that is already done runs its callback at once.
@@ -514,21 +519,30 @@ class RemoteLayers:
         with self._lock:
             sizes = self._sizes.get(manifest_digest)
         if sizes is None:
-            # By digest: the registry client checks the bytes against it.
-            data, media_type, _ = self.client.fetch_manifest(ref.with_digest(manifest_digest))
-            try:
-                parsed = media.parse(data, media_type)
-            except media.InvalidManifest as exc:
-                raise NotLazy(Reason.REGISTRY_ERROR, f"image manifest {manifest_digest}: {exc}") from None
-            if not isinstance(parsed, media.Manifest):
-                raise NotLazy(Reason.REGISTRY_ERROR, f"{manifest_digest} is a {media_type}, not an image manifest")
-            sizes = {d.digest: d.size for d in parsed.layers}
-            with self._lock:
-                self._sizes[manifest_digest] = sizes
+            sizes = self._sizing.do(manifest_digest, lambda: self._fetch_sizes(ref, manifest_digest))
         size = sizes.get(layer_digest)
         if size is None:
             raise NotLazy(Reason.INDEX_REFUSED, f"image manifest {manifest_digest} lists no layer {layer_digest}")
         return size
+
+    def _fetch_sizes(self, ref: Reference, manifest_digest: str) -> dict[str, int]:
+        with self._lock:
+            known = self._sizes.get(manifest_digest)
+        if known is not None:
+            # Fetched by a call that ended after this one looked.
+            return known
+        # By digest: the registry client checks the bytes against it.
+        data, media_type, _ = self.client.fetch_manifest(ref.with_digest(manifest_digest))
+        try:
+            parsed = media.parse(data, media_type)
+        except media.InvalidManifest as exc:
+            raise NotLazy(Reason.REGISTRY_ERROR, f"image manifest {manifest_digest}: {exc}") from None
+        if not isinstance(parsed, media.Manifest):
+            raise NotLazy(Reason.REGISTRY_ERROR, f"{manifest_digest} is a {media_type}, not an image manifest")
+        sizes = {d.digest: d.size for d in parsed.layers}
+        with self._lock:
+            self._sizes[manifest_digest] = sizes
+        return sizes
 
     def _announce(self, ref: Reference, manifest_digest: str, layer_digest: str | None = None) -> bool:
         """Tell the layer server this image now has this layer, so it can
@@ -612,29 +626,16 @@ class RemoteLayers:
     def _index_blobs(self, ref: Reference, manifest_digest: str) -> ImageIndexes:
         with self._lock:
             cached = self._artifacts.get(manifest_digest)
-            listing = self._listing.get(manifest_digest) if cached is None else None
-            mine = cached is None and listing is None
-            if mine:
-                listing = self._listing[manifest_digest] = Future()
         if cached is not None:
             return cached
-        assert listing is not None
-        if not mine:
-            # The same answer (or error) as the thread already asking.
-            return listing.result()
-        try:
-            indexes = self._list_index_blobs(ref, manifest_digest)
-        except BaseException as exc:
-            listing.set_exception(exc)
-            raise
-        else:
-            listing.set_result(indexes)
-        finally:
-            with self._lock:
-                del self._listing[manifest_digest]
-        return indexes
+        return self._listing.do(manifest_digest, lambda: self._list_index_blobs(ref, manifest_digest))
 
     def _list_index_blobs(self, ref: Reference, manifest_digest: str) -> ImageIndexes:
+        with self._lock:
+            cached = self._artifacts.get(manifest_digest)
+        if cached is not None:
+            # Listed by a call that ended after this one looked.
+            return cached
         artifacts = artifact.referrers(self.client, ref, manifest_digest, ARTIFACT_TYPE)
         indexes = ImageIndexes(any=index_blobs(artifacts), trusted=index_blobs(artifacts, self.trust.accepts_blob))
         if not indexes.any:

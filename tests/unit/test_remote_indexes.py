@@ -50,6 +50,9 @@ class Image:
     manifest: bytes
     fetched: list[str] = field(default_factory=list)
     listings: int = 0
+    manifests: int = 0
+    # Called before each manifest fetch answers.
+    before_manifest: list[Callable[[], object]] = field(default_factory=list)
     # Called with the index blob digest before each fetch answers.
     before_fetch: list[Callable[[str], object]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -71,6 +74,10 @@ class Image:
 
     def fetch_manifest(self, ref: Reference) -> tuple[bytes, str, str]:
         assert ref.object == self.manifest_digest
+        with self.lock:
+            self.manifests += 1
+        for hook in self.before_manifest:
+            hook()
         return self.manifest, media.OCI_MANIFEST, self.manifest_digest
 
     def referrers(self, *_: object) -> list[Manifest]:
@@ -228,6 +235,39 @@ def test_each_index_is_listed_fetched_and_decoded_once_for_a_pull(
     # stored copy again, and checks its signature again, without the registry.
     remote.prepare(image.prepare(LAYERS - 1))
     assert decodes[0] == LAYERS + 1 and len(image.fetched) == LAYERS
+
+
+def test_the_image_manifest_is_fetched_once_while_every_layers_check_needs_it(
+    tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each index is checked against the layer sizes of the image manifest,
+    which containerd fetched but does not pass on: the first check's GET
+    answers only once every layer's index has been fetched, so every other
+    check needs the sizes while it is under way, and waits for it."""
+    image = _image(tmp_path)
+    everyone = threading.Barrier(LAYERS, timeout=WAIT_S)
+    image.before_fetch.append(lambda digest: everyone.wait())
+    checking = threading.Event()
+    # The other layers' checks start once their index is in; the first GET
+    # is held until then (the bound only ends a wait for checks that never come).
+    image.before_manifest.append(lambda: checking.wait(1.0))
+    remote = _remote(tmp_path, node, image, monkeypatch)
+    parse = LayerIndex.__dict__["parse"].__func__
+    parsed = [0]
+
+    def counted(cls: type[LayerIndex], data: bytes, checkpoints: bool = True) -> ParsedIndex:
+        result = cast(ParsedIndex, parse(cls, data, checkpoints))
+        with image.lock:
+            parsed[0] += 1
+            if parsed[0] == LAYERS:
+                checking.set()
+        return result
+
+    monkeypatch.setattr(LayerIndex, "parse", classmethod(counted))
+    for i in range(LAYERS):
+        remote.prepare(image.prepare(i))
+    assert checking.is_set()
+    assert image.manifests == 1
 
 
 def test_a_corrupt_index_costs_its_own_layer_and_is_asked_for_again(
