@@ -981,7 +981,7 @@ class LayerFS(fuse.Operations):
         raise fuse.FUSEError(errno.ENOSYS)
 
     @_guarded
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> fuse.FileBytes:
         layer, node = await self._resolve(fh)
         if off >= node.size:
             return b""
@@ -992,7 +992,7 @@ class LayerFS(fuse.Operations):
             raise fuse.FUSEError(errno.EIO) from None
 
     @_guarded_now
-    def read_now(self, fh: int, off: int, size: int) -> bytes:
+    def read_now(self, fh: int, off: int, size: int) -> fuse.FileBytes:
         layer, node = self._resolve_now(fh)
         if off >= node.size:
             return b""

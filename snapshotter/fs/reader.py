@@ -260,7 +260,7 @@ class LayerReader:
         if self.closed:
             raise BlockUnavailable(f"layer {self.name} was unloaded")
 
-    async def read(self, start: int, end: int, file_end: int | None = None) -> bytes:
+    async def read(self, start: int, end: int, file_end: int | None = None) -> bytes | bytearray:
         """A reader's read: counted, recorded, fetched ahead of any prefetch.
         In-order read-ahead stays within the file, which ends at `file_end`;
         a miss also fetches the blocks right after it (`_ahead_of_miss`)."""
@@ -273,7 +273,7 @@ class LayerReader:
         with self.holding(numbers):
             return await self._read(start, end, numbers, file_end)
 
-    def read_now(self, start: int, end: int) -> bytes | None:
+    def read_now(self, start: int, end: int) -> bytes | bytearray | None:
         """read() without waiting, or None (before counting anything) where
         it would wait or start a fetch: a block not cached, not checked since
         the server started, or marking where read-ahead goes on; or bytes
@@ -295,7 +295,7 @@ class LayerReader:
             self._account(n, start, end)
         self.readahead.observe(numbers.start, numbers.stop - 1)
         metrics.READ_BYTES.inc(len(buffer))
-        return bytes(buffer)
+        return buffer
 
     @contextlib.contextmanager
     def holding(self, numbers: range) -> Iterator[None]:
@@ -335,7 +335,7 @@ class LayerReader:
             await trio.lowlevel.checkpoint()
         return self.all_cached
 
-    async def _read(self, start: int, end: int, numbers: range, file_end: int | None) -> bytes:
+    async def _read(self, start: int, end: int, numbers: range, file_end: int | None) -> bytes | bytearray:
         limit = self.index.uncompressed_size if file_end is None else file_end
         wanting = False
         for n in numbers:
@@ -372,7 +372,7 @@ class LayerReader:
             or (self.unverified and not self.unverified.keys().isdisjoint(numbers))
             or not all(self._covers(n, start, end) for n in needed)
         ):
-            data = await self._gather(start, end, numbers, uncached, deadline)
+            data: bytes | bytearray = await self._gather(start, end, numbers, uncached, deadline)
         else:
             data = await self._pread(start, end)
         metrics.READ_BYTES.inc(len(data))
@@ -400,7 +400,7 @@ class LayerReader:
         """A read whose blocks are not all plainly in the cache: those the
         cache could not take come from memory, those under suspicion are
         checked first (and fetched again if they lost their bytes)."""
-        pieces = []
+        pieces: list[bytes | bytearray] = []
         for n in numbers:
             block = self.index.blocks[n]
             lo, hi = max(start, block.ustart), min(end, block.uend)
@@ -416,7 +416,7 @@ class LayerReader:
                 uncached.update(await self.ensure([n], deadline=deadline))
         return b"".join(pieces)
 
-    async def _pread(self, start: int, end: int) -> bytes:
+    async def _pread(self, start: int, end: int) -> bytearray:
         """Cached bytes: straight from the page cache when they are there,
         which spares the event loop a thread hop; from disk in a thread."""
         buffer = bytearray(end - start)
@@ -425,7 +425,7 @@ class LayerReader:
             rest = await trio.to_thread.run_sync(os.pread, self.fd, len(buffer) - got, start + got)
             buffer[got : got + len(rest)] = rest
             del buffer[got + len(rest) :]
-        return bytes(buffer)
+        return buffer
 
     def _pread_nowait(self, buffer: bytearray, start: int) -> int:
         """How many bytes from `start` the page cache gave `buffer`."""

@@ -14,6 +14,7 @@ descriptor comes from and goes to is `fusewire.connection` (with
 from snapshotter.fs.fusewire.api import (
     ROOT_INODE,
     EntryAttributes,
+    FileBytes,
     FileInfo,
     FUSEError,
     NotNow,
@@ -28,6 +29,7 @@ __all__ = [
     "ROOT_INODE",
     "EntryAttributes",
     "FUSEError",
+    "FileBytes",
     "FileInfo",
     "NotNow",
     "Operations",

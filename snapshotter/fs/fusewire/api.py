@@ -38,6 +38,11 @@ from dataclasses import dataclass, field
 
 from snapshotter.fs.fusewire import protocol
 
+# A read's answer. A bytearray it hands over is the reply's own: a read
+# from the page cache lands in one, and a bytes copy of it would cost a new
+# allocation's page faults and a copy (more than the read itself on a VM).
+FileBytes = bytes | bytearray
+
 ROOT_INODE = protocol.ROOT_ID
 
 
@@ -208,7 +213,7 @@ class Operations:
     def statfs_now(self, ctx: RequestContext) -> StatvfsData:
         raise NotNow
 
-    def read_now(self, fh: int, off: int, size: int) -> bytes:
+    def read_now(self, fh: int, off: int, size: int) -> FileBytes:
         raise NotNow
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -223,7 +228,7 @@ class Operations:
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         raise FUSEError(errnos.ENOSYS)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> FileBytes:
         raise FUSEError(errnos.ENOSYS)
 
     async def release(self, fh: int) -> None:

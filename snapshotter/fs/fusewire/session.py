@@ -32,6 +32,7 @@ import trio
 from snapshotter.fs.fusewire import protocol
 from snapshotter.fs.fusewire.api import (
     EntryAttributes,
+    FileBytes,
     FUSEError,
     NotNow,
     Operations,
@@ -128,8 +129,8 @@ class Outcome(Enum):
     DESTROYED = "destroyed"  # the kernel said DESTROY
 
 
-_Handler = Callable[[InHeader, memoryview, RequestContext], Awaitable[Sequence[bytes]]]
-_NowHandler = Callable[[InHeader, memoryview, RequestContext], Sequence[bytes]]
+_Handler = Callable[[InHeader, memoryview, RequestContext], Awaitable[Sequence[FileBytes]]]
+_NowHandler = Callable[[InHeader, memoryview, RequestContext], Sequence[FileBytes]]
 
 
 def _entry_out(attr: EntryAttributes) -> bytes:
@@ -428,14 +429,14 @@ class Session:
 
     # -- replies ------------------------------------------------------------
 
-    def _reply(self, unique: int, payload: Sequence[bytes]) -> None:
+    def _reply(self, unique: int, payload: Sequence[FileBytes]) -> None:
         length = sum(len(p) for p in payload)
         self._write([protocol.out_header(length, 0, unique), *payload], unique)
 
     def _reply_error(self, unique: int, code: int) -> None:
         self._write([protocol.out_header(0, -code, unique)], unique)
 
-    def _write(self, parts: list[bytes], unique: int) -> None:
+    def _write(self, parts: list[FileBytes], unique: int) -> None:
         if not self._connected:
             return
         try:
@@ -547,13 +548,13 @@ class Session:
         )
         return [protocol.OPEN_OUT.pack(info.fh, open_flags, 0)]
 
-    async def _read(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
+    async def _read(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[FileBytes]:
         fh, offset, size, *_ = protocol.READ_IN.unpack_from(body)
         # fh 0: the file was opened without OPEN (open answered ENOSYS).
         data = await self.ops.read(fh or h.nodeid, offset, size)
         return [data if len(data) <= size else data[:size]]
 
-    def _read_now(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[bytes]:
+    def _read_now(self, h: InHeader, body: memoryview, ctx: RequestContext) -> Sequence[FileBytes]:
         fh, offset, size, *_ = protocol.READ_IN.unpack_from(body)
         data = self.ops.read_now(fh or h.nodeid, offset, size)
         return [data if len(data) <= size else data[:size]]
