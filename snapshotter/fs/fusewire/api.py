@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from snapshotter.fs.fusewire import protocol
 
 # A read's answer. A bytearray it hands over is the reply's own: a read
-# from the page cache lands in one, and a bytes copy of it would cost a new
-# allocation's page faults and a copy (more than the read itself on a VM).
+# from the page cache lands in one, and a bytes copy of it would allocate
+# and copy every byte read once more (docs/benchmarks.md, bench-fuse).
 FileBytes = bytes | bytearray
 
 ROOT_INODE = protocol.ROOT_ID
