@@ -516,20 +516,16 @@ class RemoteLayers:
     def _layer_size(self, ref: Reference, manifest_digest: str, layer_digest: str) -> int:
         """The size of the layer blob as the image manifest's descriptor gives
         it (containerd's normal path fetches exactly that many bytes)."""
-        with self._lock:
-            sizes = self._sizes.get(manifest_digest)
-        if sizes is None:
-            sizes = self._sizing.do(manifest_digest, lambda: self._fetch_sizes(ref, manifest_digest))
+        sizes = self._sizing.do(manifest_digest, lambda: self._sizes_of(ref, manifest_digest))
         size = sizes.get(layer_digest)
         if size is None:
             raise NotLazy(Reason.INDEX_REFUSED, f"image manifest {manifest_digest} lists no layer {layer_digest}")
         return size
 
-    def _fetch_sizes(self, ref: Reference, manifest_digest: str) -> dict[str, int]:
+    def _sizes_of(self, ref: Reference, manifest_digest: str) -> dict[str, int]:
         with self._lock:
             known = self._sizes.get(manifest_digest)
         if known is not None:
-            # Fetched by a call that ended after this one looked.
             return known
         # By digest: the registry client checks the bytes against it.
         data, media_type, _ = self.client.fetch_manifest(ref.with_digest(manifest_digest))
@@ -624,17 +620,12 @@ class RemoteLayers:
             )
 
     def _index_blobs(self, ref: Reference, manifest_digest: str) -> ImageIndexes:
-        with self._lock:
-            cached = self._artifacts.get(manifest_digest)
-        if cached is not None:
-            return cached
         return self._listing.do(manifest_digest, lambda: self._list_index_blobs(ref, manifest_digest))
 
     def _list_index_blobs(self, ref: Reference, manifest_digest: str) -> ImageIndexes:
         with self._lock:
             cached = self._artifacts.get(manifest_digest)
         if cached is not None:
-            # Listed by a call that ended after this one looked.
             return cached
         artifacts = artifact.referrers(self.client, ref, manifest_digest, ARTIFACT_TYPE)
         indexes = ImageIndexes(any=index_blobs(artifacts), trusted=index_blobs(artifacts, self.trust.accepts_blob))

@@ -20,8 +20,8 @@ class SingleFlight(Generic[_K, _V]):
 
     def do(self, key: _K, fn: Callable[[], _V]) -> _V:
         """fn(), or the answer of the call for `key` under way. Only calls
-        overlapping share: the next one after it ends calls fn again (keep
-        what must not be asked twice where the caller looks first)."""
+        overlapping share: the next one after it ends calls fn again, so an
+        answer to keep is kept, and looked for, by fn."""
         with self._lock:
             call = self._calls.get(key)
             mine = call is None
