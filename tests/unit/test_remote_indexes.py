@@ -152,14 +152,20 @@ def _remote(tmp_path: Path, mountpoint: Path, image: Image, monkeypatch: pytest.
     )
 
 
-def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Indexes parsed (LayerIndex.parse, which decode() goes through too)."""
+def _count_decodes(monkeypatch: pytest.MonkeyPatch, then: Callable[[int], object] = lambda count: None) -> list[int]:
+    """Indexes parsed (LayerIndex.parse, which decode() goes through too);
+    `then` is told the count after each parse, failed or not."""
     decodes = [0]
     parse = LayerIndex.__dict__["parse"].__func__
+    lock = threading.Lock()
 
     def counted(cls: type[LayerIndex], data: bytes, checkpoints: bool = True) -> ParsedIndex:
-        decodes[0] += 1
-        return cast(ParsedIndex, parse(cls, data, checkpoints))
+        try:
+            return cast(ParsedIndex, parse(cls, data, checkpoints))
+        finally:
+            with lock:
+                decodes[0] += 1
+                then(decodes[0])
 
     monkeypatch.setattr(LayerIndex, "parse", classmethod(counted))
     return decodes
@@ -252,18 +258,7 @@ def test_the_image_manifest_is_fetched_once_while_every_layers_check_needs_it(
     # is held until then (the bound only ends a wait for checks that never come).
     image.before_manifest.append(lambda: checking.wait(1.0))
     remote = _remote(tmp_path, node, image, monkeypatch)
-    parse = LayerIndex.__dict__["parse"].__func__
-    parsed = [0]
-
-    def counted(cls: type[LayerIndex], data: bytes, checkpoints: bool = True) -> ParsedIndex:
-        result = cast(ParsedIndex, parse(cls, data, checkpoints))
-        with image.lock:
-            parsed[0] += 1
-            if parsed[0] == LAYERS:
-                checking.set()
-        return result
-
-    monkeypatch.setattr(LayerIndex, "parse", classmethod(counted))
+    _count_decodes(monkeypatch, lambda count: count == LAYERS and checking.set())
     for i in range(LAYERS):
         remote.prepare(image.prepare(i))
     assert checking.is_set()
