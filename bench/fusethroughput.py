@@ -22,6 +22,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -77,6 +78,12 @@ def _read_all(path: Path) -> float:
     return time.perf_counter() - start
 
 
+def _read_cold(path: Path) -> float:
+    """_read_all with the page cache dropped first."""
+    drop_page_cache()
+    return _read_all(path)
+
+
 def _read_warm(path: Path, through_fuse: bool) -> float:
     """_read_all from memory: read once untimed, then timed; a file of the
     layer mount has its own pages dropped before each read, not the layer
@@ -106,18 +113,19 @@ def run(size: int, runs: int) -> dict[str, object]:
         log(f"filling the layer cache: reading {through_fuse} once")
         _read_all(through_fuse)
         fetched = node.layers.metric("bootseer_fs_fetched_bytes_total")
-        samples: dict[str, list[float]] = {"fuse": [], "direct": [], "fuse_warm": [], "direct_warm": []}
+        reads: dict[str, Callable[[], float]] = {
+            "fuse": lambda: _read_cold(through_fuse),
+            "direct": lambda: _read_cold(direct),
+            "fuse_warm": lambda: _read_warm(through_fuse, through_fuse=True),
+            "direct_warm": lambda: _read_warm(direct, through_fuse=False),
+        }
+        samples: dict[str, list[float]] = {kind: [] for kind in reads}
         for i in range(runs):
-            for kind in ("fuse", "direct") if i % 2 == 0 else ("direct", "fuse"):
-                drop_page_cache()
-                seconds = _read_all(through_fuse if kind == "fuse" else direct)
-                samples[kind].append(seconds)
-                log(f"run {i + 1}/{runs} {kind:11} {size / seconds / 1e9:.2f} GB/s")
-            for kind in ("fuse_warm", "direct_warm") if i % 2 == 0 else ("direct_warm", "fuse_warm"):
-                warm_fuse = kind == "fuse_warm"
-                seconds = _read_warm(through_fuse if warm_fuse else direct, warm_fuse)
-                samples[kind].append(seconds)
-                log(f"run {i + 1}/{runs} {kind:11} {size / seconds / 1e9:.2f} GB/s")
+            for pair in (("fuse", "direct"), ("fuse_warm", "direct_warm")):
+                for kind in pair if i % 2 == 0 else pair[::-1]:
+                    seconds = reads[kind]()
+                    samples[kind].append(seconds)
+                    log(f"run {i + 1}/{runs} {kind:11} {size / seconds / 1e9:.2f} GB/s")
         refetched = node.layers.metric("bootseer_fs_fetched_bytes_total") - fetched
     finally:
         if node is not None:
