@@ -5,6 +5,7 @@ or skip_verify."""
 
 from __future__ import annotations
 
+import functools
 import ssl
 import threading
 from pathlib import Path
@@ -14,11 +15,22 @@ import httpx
 from snapshotter.registry.hosts import Endpoint
 
 
+@functools.cache
+def system_trust() -> ssl.SSLContext:
+    """The system store's context, loaded once per process and shared by
+    every pool that adds no trust of its own: a load takes 30-60 ms of CPU,
+    which each pool of each client paid inside its first pull. Clients only
+    set ALPN on a shared context, to HTTP/1.1 for all of them."""
+    return ssl.create_default_context()
+
+
 def _verify(endpoint: Endpoint | None) -> ssl.SSLContext | bool:
     if endpoint is None or endpoint.scheme != "https":
-        return ssl.create_default_context()
+        return system_trust()
     if endpoint.skip_verify:
         return False
+    if not endpoint.ca and endpoint.client_cert is None:
+        return system_trust()
     context = ssl.create_default_context()
     for ca in endpoint.ca:
         context.load_verify_locations(cafile=str(ca))
@@ -35,6 +47,10 @@ class Pools:
             tuple[str, bool, tuple[Path, ...], tuple[Path, Path | None] | None] | None, httpx.Client
         ] = {}
         self._lock = threading.Lock()
+        # The first client of a process imports httpcore (0.05-0.15 s of
+        # CPU) and loads the system store: done here, where a daemon makes
+        # its registry client at start, rather than under its first pull.
+        self.get(None)
 
     def get(self, endpoint: Endpoint | None) -> httpx.Client:
         """The pool for `endpoint`; None is "plain system TLS" for redirect

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import base64
 import json
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+import certifi
 import httpx
 import pytest
 
@@ -24,6 +26,7 @@ from snapshotter.registry.auth import (
 from snapshotter.registry.client import referrers_tag
 from snapshotter.registry.errors import NotFound, RegistryError, ServerError, Unauthorized, Unreachable
 from snapshotter.registry.hosts import Endpoint, HostsConfigError, endpoints_for, parse_hosts_toml
+from snapshotter.registry.pools import _verify, system_trust
 from snapshotter.registry.reference import InvalidReference, Reference, parse
 from snapshotter.registry.responses import content_range_start, next_link
 from snapshotter.registry.resumable import BlobBody
@@ -95,6 +98,18 @@ skip_verify = false
     assert mirror.mirror_of == "registry.example.com" and server.mirror_of == ""
     assert plain.scheme == "http" and plain.capabilities == {"pull"}
     assert server.capabilities == {"pull", "resolve", "push"}
+
+
+def test_pools_share_the_system_trust_unless_an_endpoint_adds_its_own() -> None:
+    shared = system_trust()
+    assert isinstance(shared, ssl.SSLContext)
+    assert _verify(None) is shared
+    assert _verify(Endpoint("http://10.0.0.1:5000/v2")) is shared
+    assert _verify(Endpoint("https://registry.example.com/v2")) is shared
+    assert _verify(Endpoint("https://mirror.example.com/v2", skip_verify=True)) is False
+    own = _verify(Endpoint("https://mirror.example.com/v2", ca=(Path(certifi.where()),)))
+    assert isinstance(own, ssl.SSLContext) and own is not shared
+    assert _verify(Endpoint("https://mirror.example.com/v2", ca=(Path(certifi.where()),))) is not own
 
 
 def test_hosts_toml_defaults_and_errors(tmp_path: Path) -> None:
