@@ -40,10 +40,12 @@ import operator
 import re
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from dataclasses import dataclass
+from typing import Annotated, Any, NoReturn
 
+import msgspec
 import zstandard
+from msgspec import Meta
 
 from snapshotter.layer import parts
 from snapshotter.layer.checkpoints import MAX_POINTS, Checkpoint, CheckpointFormatError
@@ -153,26 +155,34 @@ class EntryType(enum.StrEnum):
     FIFO = "fifo"
 
 
-# Not frozen: a frozen dataclass's __init__ costs four times as much, and
-# decoding makes tens of thousands of entries for every layer of every pull.
-@dataclass(slots=True)
-class Entry:
+# Rows of the index's document decode straight into Entry and Block
+# (msgspec, in C): each value's type and an entry's numbers' ranges are
+# checked on the way in, with no Python per row, and the tens of thousands of
+# entries of a layer are not tracked by the garbage collector (they hold no
+# references to other objects that could form a cycle). A pull decodes every
+# layer's index, in the snapshotter and again in the layer server. Every field
+# is required: a row is always written whole.
+_Mode = Annotated[int, Meta(ge=0, le=MODE_BITS)]
+_Id = Annotated[int, Meta(ge=0, le=MAX_ID)]
+_Bytes = Annotated[int, Meta(ge=0, le=MAX_LAYER_BYTES)]
+
+
+class Entry(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
     name: str  # normalised: relative, no "." or ".." parts, "" is the root
     type: EntryType
-    mode: int  # permission bits with setuid/setgid/sticky
-    uid: int
-    gid: int
-    mtime: float
-    size: int = 0
-    offset: int = 0  # of the data, in the uncompressed stream
-    linkname: str = ""  # symlink target as written; hardlink target normalised
-    devmajor: int = 0
-    devminor: int = 0
-    xattrs: dict[str, bytes] = field(default_factory=dict)
+    mode: _Mode  # permission bits with setuid/setgid/sticky
+    uid: _Id
+    gid: _Id
+    mtime: Annotated[int, Meta(ge=0, le=MAX_MTIME)] | Annotated[float, Meta(ge=0, le=MAX_MTIME)]
+    size: _Bytes
+    offset: _Bytes  # of the data, in the uncompressed stream
+    linkname: str  # symlink target as written; hardlink target normalised
+    devmajor: Annotated[int, Meta(ge=0, le=MAX_DEV_MAJOR)]
+    devminor: Annotated[int, Meta(ge=0, le=MAX_DEV_MINOR)]
+    xattrs: dict[str, bytes]  # base64 in the document
 
 
-@dataclass(frozen=True)
-class Block:
+class Block(msgspec.Struct, array_like=True, frozen=True, gc=False, forbid_unknown_fields=True):
     cstart: int  # compressed bytes [cstart, cend) are fetched and verified
     cend: int
     ustart: int  # and decompress to uncompressed bytes [ustart, uend)
@@ -200,40 +210,69 @@ class IndexHeader:
                 raise IndexFormatError(f"{what} size {value!r} is not between 0 and {MAX_LAYER_BYTES}")
 
 
+class _Document(msgspec.Struct):
+    """The JSON document as the fast decoder takes it (see Entry). Whatever
+    it refuses, or cannot read (names that are not UTF-8 are escaped with
+    lone surrogates, which it rejects), goes through the json module and the
+    checks that name the offending entry instead (_rows_document)."""
+
+    version: int
+    layer_digest: str
+    compression: Compression
+    compressed_size: int
+    uncompressed_size: int
+    span: int
+    blocks: list[Block]
+    entries: list[Entry]
+    diff_id: str | None = None  # from version 2
+    part: int | None = None  # from version 4
+
+
+_DOCUMENT = msgspec.json.Decoder(_Document)
+
+
 @dataclass
 class ParsedIndex:
     """An index whose document is parsed and header checked (LayerIndex.parse)."""
 
     header: IndexHeader
     version: int
-    _doc: dict[str, Any]
+    _doc: _Document | dict[str, Any]
     _checkpoint_bytes: bytes
     _checkpoints: bool
 
     def index(self) -> LayerIndex:
         """The whole index, every invariant checked (IndexFormatError if not)."""
         doc, version, header = self._doc, self.version, self.header
-        try:
-            rows, block_rows = doc["entries"], doc["blocks"]
-            if not isinstance(rows, list) or len(rows) > MAX_ENTRIES:
-                raise ValueError(f"entries must be a list of at most {MAX_ENTRIES}")
-            if not isinstance(block_rows, list) or len(block_rows) > MAX_BLOCKS:
-                raise ValueError(f"blocks must be a list of at most {MAX_BLOCKS}")
-            index = LayerIndex(
-                layer_digest=header.layer_digest,
-                compression=Compression(doc["compression"]),
-                compressed_size=header.compressed_size,
-                uncompressed_size=header.uncompressed_size,
-                span=_typed(doc["span"], int),
-                blocks=[_row_block(row) for row in block_rows],
-                entries=_row_entries(rows),
-                checkpoints=self._checkpoint_bytes,
-                diff_id=header.diff_id,
-                part=_typed(doc["part"], int) if version >= 4 else 0,
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise IndexFormatError(f"layer index is malformed: {exc!r}") from None
-        index.validate(self._checkpoints)
+        if isinstance(doc, _Document):
+            blocks, entries = doc.blocks, doc.entries
+            compression, span = doc.compression, doc.span
+            part = (doc.part or 0) if version >= 4 else 0
+        else:
+            try:
+                rows, block_rows = doc["entries"], doc["blocks"]
+                if not isinstance(rows, list) or len(rows) > MAX_ENTRIES:
+                    raise ValueError(f"entries must be a list of at most {MAX_ENTRIES}")
+                if not isinstance(block_rows, list) or len(block_rows) > MAX_BLOCKS:
+                    raise ValueError(f"blocks must be a list of at most {MAX_BLOCKS}")
+                compression, span = Compression(doc["compression"]), _typed(doc["span"], int)
+                part = _typed(doc["part"], int) if version >= 4 else 0
+                blocks, entries = [_row_block(row) for row in block_rows], _row_entries(rows)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise IndexFormatError(f"layer index is malformed: {exc!r}") from None
+        index = LayerIndex(
+            layer_digest=header.layer_digest,
+            compression=compression,
+            compressed_size=header.compressed_size,
+            uncompressed_size=header.uncompressed_size,
+            span=span,
+            blocks=blocks,
+            entries=entries,
+            checkpoints=self._checkpoint_bytes,
+            diff_id=header.diff_id,
+            part=part,
+        )
+        index.validate(self._checkpoints, typed=isinstance(doc, _Document))
         return index
 
 
@@ -309,36 +348,44 @@ class LayerIndex:
         if not data.startswith(MAGIC):
             raise IndexFormatError("not a bootseer layer index (bad magic)")
         try:
-            doc, rest = _decode_payload(data[len(MAGIC) :], checkpoints)
-        except (zstandard.ZstdError, struct.error, ValueError, RecursionError) as exc:
+            body, rest = _decode_payload(data[len(MAGIC) :], checkpoints)
+        except (zstandard.ZstdError, struct.error, ValueError) as exc:
             raise IndexFormatError(f"layer index is corrupt: {exc}") from None
-        version = doc.get("version") if isinstance(doc, dict) else "?"
+        fast = _fast_document(body)
+        doc = fast if fast is not None else _rows_document(body)
+        version = doc.version if isinstance(doc, _Document) else doc.get("version") if isinstance(doc, dict) else "?"
         if type(version) is not int or version not in READABLE_VERSIONS:
             raise IndexFormatError(
                 f"layer index version {version!r} is not supported (this bootseer reads versions "
                 f"{', '.join(map(str, READABLE_VERSIONS))}); re-run `bootseer index` with this bootseer"
             )
-        try:
-            header = IndexHeader(
-                layer_digest=_typed(doc["layer_digest"], str),
-                diff_id=_typed(doc["diff_id"], str) if version >= 2 else "",
-                compressed_size=_typed(doc["compressed_size"], int),
-                uncompressed_size=_typed(doc["uncompressed_size"], int),
-            )
-        except (KeyError, TypeError) as exc:
-            raise IndexFormatError(f"layer index is malformed: {exc!r}") from None
+        if isinstance(doc, _Document):
+            diff_id = (doc.diff_id or "") if version >= 2 else ""
+            header = IndexHeader(doc.layer_digest, diff_id, doc.compressed_size, doc.uncompressed_size)
+        else:
+            try:
+                header = IndexHeader(
+                    layer_digest=_typed(doc["layer_digest"], str),
+                    diff_id=_typed(doc["diff_id"], str) if version >= 2 else "",
+                    compressed_size=_typed(doc["compressed_size"], int),
+                    uncompressed_size=_typed(doc["uncompressed_size"], int),
+                )
+            except (KeyError, TypeError) as exc:
+                raise IndexFormatError(f"layer index is malformed: {exc!r}") from None
         if version >= 2 and not is_sha256_digest(header.diff_id):
             raise IndexFormatError(f"bad diff_id {header.diff_id!r}")
         header.validate()
         return ParsedIndex(header, version, doc, rest, checkpoints)
 
-    def validate(self, checkpoints: bool = True) -> None:
+    def validate(self, checkpoints: bool = True, typed: bool = False) -> None:
         """Refuse anything that would make the server read out of bounds,
         serve bytes from the wrong place, or hand the kernel a value it
         cannot take. The tree's own refusals (tree.build_tree) come on top.
-        `checkpoints` False: all but the gzip checkpoints (see decode)."""
+        `checkpoints` False: all but the gzip checkpoints (see decode).
+        `typed`: the entries came from the fast decoder, which checked each
+        value's type and each number's range (Entry) on the way in."""
         self._validate_blocks(checkpoints)
-        _validate_entries(self.entries, self.uncompressed_size)
+        _validate_entries(self.entries, self.uncompressed_size, typed)
 
     def _validate_blocks(self, checkpoints: bool) -> None:
         self.header.validate()
@@ -385,16 +432,16 @@ class LayerIndex:
                 raise IndexFormatError("a block does not start at a gzip checkpoint")
 
 
-def _decode_payload(frame: bytes, checkpoints: bool) -> tuple[Any, bytes]:
-    """The zstd frame's parsed JSON document and the checkpoint bytes after
-    it (b"" unless `checkpoints`: the frame is then decompressed only as far
-    as the document's end)."""
+def _decode_payload(frame: bytes, checkpoints: bool) -> tuple[bytes, bytes]:
+    """The zstd frame's JSON document and the checkpoint bytes after it
+    (b"" unless `checkpoints`: the frame is then decompressed only as far as
+    the document's end)."""
     if checkpoints:
         payload = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_DECODED)
         (length,) = struct.unpack(">I", payload[:4])
         if length > min(MAX_DOCUMENT_BYTES, len(payload) - 4):
             raise ValueError(f"the document claims {length} bytes")
-        return json.loads(payload[4 : 4 + length]), payload[4 + length :]
+        return payload[4 : 4 + length], payload[4 + length :]
     with zstandard.ZstdDecompressor().stream_reader(frame) as reader:
         (length,) = struct.unpack(">I", reader.read(4))
         if length > MAX_DOCUMENT_BYTES:
@@ -402,7 +449,32 @@ def _decode_payload(frame: bytes, checkpoints: bool) -> tuple[Any, bytes]:
         body = reader.read(length)
     if len(body) != length:
         raise ValueError(f"the document claims {length} bytes")
-    return json.loads(body), b""
+    return body, b""
+
+
+def _fast_document(body: bytes) -> _Document | None:
+    """The document through the fast decoder, if it takes it whole and it
+    says all a version requires; None sends it to _rows_document."""
+    try:
+        doc = _DOCUMENT.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if (
+        len(doc.entries) > MAX_ENTRIES
+        or len(doc.blocks) > MAX_BLOCKS
+        or (doc.version >= 2 and doc.diff_id is None)
+        or (doc.version >= 4 and doc.part is None)
+    ):
+        return None
+    return doc
+
+
+def _rows_document(body: bytes) -> Any:
+    """The document as plain JSON values, for the checks that say what is wrong with it."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise IndexFormatError(f"layer index is corrupt: {exc}") from None
 
 
 def is_sha256_digest(value: object) -> bool:
@@ -494,7 +566,7 @@ def _decode_xattrs(xattrs: dict[str, str]) -> dict[str, bytes]:
     return {k: base64.b64decode(v, validate=True) for k, v in xattrs.items()}
 
 
-def _validate_entries(entries: list[Entry], uncompressed_size: int) -> None:
+def _validate_entries(entries: list[Entry], uncompressed_size: int, typed: bool = False) -> None:
     """Every entry's values in range, checked a column at a time with
     builtins (min, max, set, str.join): a pull decodes every layer's index,
     and a Python loop over tens of thousands of entries per check would cost
@@ -504,22 +576,11 @@ def _validate_entries(entries: list[Entry], uncompressed_size: int) -> None:
         raise IndexFormatError(f"{len(entries)} entries, more than {MAX_ENTRIES}")
     if not entries:
         return
-    if not set(map(type, map(_TYPE, entries))) <= {EntryType}:
-        _refuse(entries, lambda e: type(e.type) is not EntryType, "has no valid type")
-    for attr, (low, high) in _INT_FIELDS.items():
-        _validate_int_column(entries, attr, low, high)
+    if not typed:
+        _validate_values(entries)
     if max(map(operator.add, map(_OFFSET, entries), map(_SIZE, entries))) > uncompressed_size:
         _refuse(entries, lambda e: e.offset + e.size > uncompressed_size, "has data outside the layer")
-    mtimes = list(map(_MTIME, entries))
-    # NaN compares false with everything: either min or max returns it, or
-    # isnan finds it among values already known to be in range.
-    if (
-        not set(map(type, mtimes)) <= {int, float}
-        or not (min(mtimes) >= 0 and max(mtimes) <= MAX_MTIME)
-        or any(map(math.isnan, mtimes))
-    ):
-        _refuse(entries, lambda e: not _mtime_ok(e.mtime), f"has an mtime outside [0, {MAX_MTIME}]")
-    _validate_names(entries)
+    _validate_names(entries, typed)
     for e in entries:
         if e.type is EntryType.HARDLINK:
             if not _is_normalized(e.linkname):
@@ -532,6 +593,23 @@ def _validate_entries(entries: list[Entry], uncompressed_size: int) -> None:
             _validate_xattrs(e)
 
 
+def _validate_values(entries: list[Entry]) -> None:
+    """What Entry's types and bounds say, for entries the fast decoder did not make."""
+    if not set(map(type, map(_TYPE, entries))) <= {EntryType}:
+        _refuse(entries, lambda e: type(e.type) is not EntryType, "has no valid type")
+    for attr, (low, high) in _INT_FIELDS.items():
+        _validate_int_column(entries, attr, low, high)
+    mtimes = list(map(_MTIME, entries))
+    # NaN compares false with everything: either min or max returns it, or
+    # isnan finds it among values already known to be in range.
+    if (
+        not set(map(type, mtimes)) <= {int, float}
+        or not (min(mtimes) >= 0 and max(mtimes) <= MAX_MTIME)
+        or any(map(math.isnan, mtimes))
+    ):
+        _refuse(entries, lambda e: not _mtime_ok(e.mtime), f"has an mtime outside [0, {MAX_MTIME}]")
+
+
 def _validate_int_column(entries: list[Entry], attr: str, low: int, high: int) -> None:
     get = operator.attrgetter(attr)
     column = list(map(get, entries))
@@ -539,10 +617,10 @@ def _validate_int_column(entries: list[Entry], attr: str, low: int, high: int) -
         _refuse(entries, lambda e: not (type(get(e)) is int and low <= get(e) <= high), f"has {attr} out of range")
 
 
-def _validate_names(entries: list[Entry]) -> None:
+def _validate_names(entries: list[Entry], typed: bool) -> None:
     names = list(map(_NAME, entries))
     links = list(map(_LINKNAME, entries))
-    if set(map(type, names)) != {str} or set(map(type, links)) != {str}:
+    if not typed and (set(map(type, names)) != {str} or set(map(type, links)) != {str}):
         _refuse(entries, lambda e: type(e.name) is not str or type(e.linkname) is not str, "has a name not a string")
     named = list(filter(None, names))
     joined = "/" + "/".join(named) + "/" if named else ""

@@ -3,7 +3,6 @@ fetches, verification, and a cache that outlives the server."""
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import hashlib
 import inspect
@@ -15,6 +14,7 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from snapshotter.fs import fusewire
@@ -361,7 +361,7 @@ def _hardlink_to_nothing(store: LayerStore, name: str) -> None:
     path = store.path(name) / "index"
     index = LayerIndex.decode(path.read_bytes())
     index.entries = [
-        dataclasses.replace(e, type=EntryType.HARDLINK, linkname="missing") if e.name == "link" else e
+        msgspec.structs.replace(e, type=EntryType.HARDLINK, linkname="missing") if e.name == "link" else e
         for e in index.entries
     ]
     path.write_bytes(index.encode())

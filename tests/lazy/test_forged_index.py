@@ -13,6 +13,7 @@ import hashlib
 import os
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 from snapshotter.layer.artifact import index_blobs
@@ -51,7 +52,7 @@ def _entry(index: LayerIndex, name: str) -> Entry:
 
 def _edit(name: str, **changes: object) -> Callable[[LayerIndex, LayerIndex], LayerIndex]:
     def forge(top: LayerIndex, base: LayerIndex) -> LayerIndex:
-        entries = [dataclasses.replace(e, **changes) if e.name == name else e for e in top.entries]
+        entries = [msgspec.structs.replace(e, **changes) if e.name == name else e for e in top.entries]
         return dataclasses.replace(top, entries=entries)
 
     return forge

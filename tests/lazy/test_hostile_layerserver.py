@@ -5,8 +5,7 @@ serving, and the image still runs."""
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 
 from snapshotter.layer.build import build_index
@@ -35,7 +34,7 @@ def publish_hostile_index(image: PushedImage, entry: str, **changes: object) -> 
         indexes = []
         for layer in image.layout.layer_digests:
             index = build_index(blobs / layer.split(":")[1], layer)
-            index.entries = [dataclasses.replace(e, **changes) if e.name == entry else e for e in index.entries]
+            index.entries = [msgspec.structs.replace(e, **changes) if e.name == entry else e for e in index.entries]
             pushed = client.push_blob(reference, index.encode(), media_type=MEDIA_TYPE)
             blob = Descriptor(MEDIA_TYPE, pushed.digest, pushed.size, annotations={LAYER_ANNOTATION: layer})
             indexes.append(signed(blob))

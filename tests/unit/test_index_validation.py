@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+import msgspec
 import pytest
 import zstandard
 
@@ -259,7 +260,7 @@ def valid(tmp_path: Path) -> LayerIndex:
 
 
 def changed(index: LayerIndex, which: str, **values: Any) -> bytes:
-    entries = [dataclasses.replace(e, **values) if e.name == which else e for e in index.entries]
+    entries = [msgspec.structs.replace(e, **values) if e.name == which else e for e in index.entries]
     return dataclasses.replace(index, entries=entries).encode()
 
 
@@ -405,7 +406,7 @@ def test_checkpoints_claiming_more_than_an_index_holds_are_refused(valid: LayerI
 
 def test_a_plain_block_is_served_from_where_it_lies(tmp_path: Path) -> None:
     index = index_of(layer([member("f", data=b"x" * 1000)], gz=False), tmp_path)
-    moved = dataclasses.replace(index.blocks[0], cstart=1)
+    moved = msgspec.structs.replace(index.blocks[0], cstart=1)
     with pytest.raises(IndexFormatError, match="not where it lies"):
         LayerIndex.decode(dataclasses.replace(index, blocks=[moved, *index.blocks[1:]]).encode())
 

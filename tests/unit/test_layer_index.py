@@ -13,6 +13,7 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 import zstandard
 
@@ -121,16 +122,18 @@ def test_format_refuses_bad_input(tmp_path: Path) -> None:
     with pytest.raises(IndexFormatError, match="corrupt"):
         LayerIndex.decode(MAGIC + b"not zstd")
     cases = {
-        "does not continue": dataclasses.replace(index, blocks=[dataclasses.replace(index.blocks[0], ustart=1)]),
+        "does not continue": dataclasses.replace(index, blocks=[msgspec.structs.replace(index.blocks[0], ustart=1)]),
         "outside the compressed blob": dataclasses.replace(
-            index, blocks=[dataclasses.replace(index.blocks[0], cend=index.compressed_size + 1)]
+            index, blocks=[msgspec.structs.replace(index.blocks[0], cend=index.compressed_size + 1)]
         ),
         "data outside the layer": dataclasses.replace(
-            index, entries=[dataclasses.replace(index.entries[0], size=10**9)]
+            index, entries=[msgspec.structs.replace(index.entries[0], size=10**9)]
         ),
-        "climbs out": dataclasses.replace(index, entries=[dataclasses.replace(index.entries[0], name="../etc/passwd")]),
-        "not normalised": dataclasses.replace(index, entries=[dataclasses.replace(index.entries[0], name="./a")]),
-        "malformed digest": dataclasses.replace(index, blocks=[dataclasses.replace(index.blocks[0], digest="zz")]),
+        "climbs out": dataclasses.replace(
+            index, entries=[msgspec.structs.replace(index.entries[0], name="../etc/passwd")]
+        ),
+        "not normalised": dataclasses.replace(index, entries=[msgspec.structs.replace(index.entries[0], name="./a")]),
+        "malformed digest": dataclasses.replace(index, blocks=[msgspec.structs.replace(index.blocks[0], digest="zz")]),
     }
     for message, bad in cases.items():
         with pytest.raises(IndexFormatError, match=message):
@@ -181,7 +184,8 @@ def test_builder_refuses_path_traversal_and_non_tar(tmp_path: Path) -> None:
 
 
 def entry(name: str, etype: EntryType = EntryType.REG, mode: int = 0o644, **kw: object) -> Entry:
-    return Entry(name=name, type=etype, mode=mode, uid=0, gid=0, mtime=0.0, **kw)  # type: ignore[arg-type]
+    fields: dict[str, object] = {"size": 0, "offset": 0, "linkname": "", "devmajor": 0, "devminor": 0, "xattrs": {}}
+    return Entry(name=name, type=etype, mode=mode, uid=0, gid=0, mtime=0.0, **(fields | kw))  # type: ignore[arg-type]
 
 
 def test_tree_follows_tar_and_overlay_rules() -> None:

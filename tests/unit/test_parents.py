@@ -15,7 +15,7 @@ from snapshotter.parents import differing, root_path
 
 
 def _entry(name: str, kind: EntryType = EntryType.REG, linkname: str = "") -> Entry:
-    return Entry(name, kind, 0o755 if kind == EntryType.DIR else 0o644, 0, 0, 0.0, linkname=linkname)
+    return Entry(name, kind, 0o755 if kind == EntryType.DIR else 0o644, 0, 0, 0.0, 0, 0, linkname, 0, 0, {})
 
 
 def test_a_layer_naming_its_directories_first_has_none() -> None:

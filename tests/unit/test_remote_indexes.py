@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
 
+import msgspec
 import pytest
 
 from snapshotter import remote as remote_mod
@@ -112,7 +113,9 @@ def _image(tmp_path: Path, corrupt: int | None = None, bad_entry: int | None = N
         blob = layer([member(f"file{i}", data=bytes([i]) * (1000 + i))])
         index = index_of(blob, tmp_path)
         if i == bad_entry:
-            index = replace(index, entries=[replace(e, size=index.uncompressed_size + 1) for e in index.entries])
+            index = replace(
+                index, entries=[msgspec.structs.replace(e, size=index.uncompressed_size + 1) for e in index.entries]
+            )
         # A corrupt index is still the blob a trusted key signed: what a
         # broken indexer or a bad disk at the registry would publish.
         data = b"not an index" if i == corrupt else index.encode()
