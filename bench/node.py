@@ -103,6 +103,7 @@ def start_node(
         background_fetch=defaults.background_fetch if background_fetch is None else background_fetch,
         unpack_whole_layers=defaults.unpack_whole_layers if unpack_whole_layers is None else unpack_whole_layers,
         events_summary_interval_s=events_summary_interval_s,
+        layer_gc_grace_s=defaults.layer_gc_grace_s,
     )
     config.write()
     # Debug logging of every FUSE call would be part of what is measured.

@@ -22,6 +22,7 @@ containerd checks the real diff_id (and fails the pull).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import errno
@@ -29,7 +30,8 @@ import io
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,6 +279,8 @@ class RemoteLayers:
         self._sizes: dict[str, dict[str, int]] = {}
         self._sizing: SingleFlight[str, dict[str, int]] = SingleFlight()
         self._indexes: dict[str, _IndexFetch] = {}
+        # Layers whose Prepare runs (claim), by how many.
+        self._claims: Counter[str] = Counter()
         self._fetchers = ThreadPoolExecutor(max_workers=INDEX_FETCHERS, thread_name_prefix="index-fetch")
         # Reentrant: a future that is already done runs its callback at once.
         self._lock = threading.RLock()
@@ -302,7 +306,35 @@ class RemoteLayers:
             for s in snapshots
             if labels.REMOTE in s.labels and labels.LAYER_DIGEST in s.labels
         }
-        return self.store.prune(keep, older_than_s=self.gc_grace_s)
+        # Nor the layers a pull has on its way: stored ahead of their Prepare
+        # (however old the stored copy, one kept from an earlier pull), or
+        # Prepared and their snapshot not recorded yet (claimed). Their
+        # Prepare would otherwise hand containerd a layer the store no
+        # longer holds. Under the lock: no fetch starts meanwhile on a copy
+        # about to go.
+        with self._lock:
+            now = time.monotonic()
+            keep |= {digest for digest, count in self._claims.items() if count}
+            keep |= {
+                digest
+                for digest, fetch in self._indexes.items()
+                if fetch.settled_at is None or now - fetch.settled_at < INDEX_REUSE_S
+            }
+            return self.store.prune(keep, older_than_s=self.gc_grace_s)
+
+    @contextlib.contextmanager
+    def claim(self, layer_digest: str) -> Iterator[None]:
+        """The layer stays in the store (prune) while the block runs: around
+        its Prepare and the recording of the snapshot that then uses it."""
+        with self._lock:
+            self._claims[layer_digest] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._claims[layer_digest] -= 1
+                if not self._claims[layer_digest]:
+                    del self._claims[layer_digest]
 
     def prepare(self, wanted: RemotePrepare) -> LazyLayer:
         if not os.path.ismount(self.mountpoint):

@@ -133,9 +133,11 @@ class Snapshotter:
             raise AlreadyExists(f"target snapshot {target!r} is already served lazily as {name!r}")
         lowers = tuple(self.fs_path(s) for s in chain)
         try:
-            # The parent's chainID binds the layer's index to the target.
-            lazy = self.remote.prepare(RemotePrepare.of(remote, parent, lowers))
-            self._commit_remote(name, parent, {**labels, label_keys.REMOTE: "true"}, lazy)
+            # The parent's chainID binds the layer's index to the target. A
+            # cleanup meanwhile leaves the layer until the snapshot using it is recorded.
+            with self.remote.claim(remote.layer_digest):
+                lazy = self.remote.prepare(RemotePrepare.of(remote, parent, lowers))
+                self._commit_remote(name, parent, {**labels, label_keys.REMOTE: "true"}, lazy)
         except AlreadyExists:
             # Committed meanwhile by a Prepare of the same layer: served lazily all the same.
             _LAYERS[Reason.SERVED].inc()

@@ -47,6 +47,8 @@ class LazyConfig:
     hot_blocks_publish: str = "elected"
     # [fs] plain_mount: layers without xattrs served from the plain mount.
     plain_mount: bool = True
+    # Tests prune a layer no snapshot uses at once.
+    layer_gc_grace_s: float = 0.0
     # [events]: the node's records go to its own directory (events_dir), not
     # the host's; the product's bounds where these are None.
     events_max_bytes: int | None = None
@@ -138,7 +140,7 @@ store = "{self.store}"
 mountpoint = "{self.mountpoint}"
 holder_socket = "{self.holder_socket}"
 metrics_address = "127.0.0.1:{self.metrics_port}"
-layer_gc_grace_s = 0
+layer_gc_grace_s = {self.layer_gc_grace_s}
 record_idle_s = {self.record_idle_s}
 hot_blocks = {str(self.hot_blocks).lower()}
 record_max_s = {self.record_max_s}

@@ -21,7 +21,9 @@ import pytest
 from snapshotter import remote as remote_mod
 from snapshotter.fs.control import CONTROL_PREFIX, ImageRequest, read_request
 from snapshotter.fs.layers import LayerStore
+from snapshotter.labels import LAYER_DIGEST, REMOTE
 from snapshotter.layer.index import LAYER_ANNOTATION, MEDIA_TYPE, LayerIndex, ParsedIndex, chain_ids
+from snapshotter.model import Kind, Snapshot
 from snapshotter.registry import artifact as registry_artifact
 from snapshotter.registry import media
 from snapshotter.registry.client import RegistryClient
@@ -329,6 +331,40 @@ def test_a_lookahead_copy_pruned_before_its_prepare_is_fetched_again(
     served = remote.prepare(image.prepare(1))
     assert served.index.layer_digest == image.layer_digests[1]
     assert remote.store.has(image.layer_digests[1]) and image.fetches_of(1) == 2
+
+
+def test_a_cleanup_during_a_pull_leaves_the_layers_it_has_on_their_way(
+    tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """containerd's Cleanup may come at any moment of a pull (its garbage
+    collection runs on its own), before the layers above the one being
+    prepared have a snapshot, and even with no grace for young copies: what
+    the pull stored ahead, fetched or still on its way, stays, and so does a
+    layer whose Prepare is done and its snapshot not recorded yet. Every
+    Prepare serves a layer the store holds, fetched once."""
+    image = _image(tmp_path)
+    remote = _remote(tmp_path, node, image, monkeypatch)
+    assert remote.gc_grace_s == 0
+    held = image.blobs[LAYERS - 1].digest
+    release = threading.Event()
+    image.before_fetch.append(lambda digest: digest != held or release.wait(WAIT_S))
+    recorded: list[Snapshot] = []
+    for i in range(LAYERS):
+        with remote.claim(image.layer_digests[i]):
+            served = remote.prepare(image.prepare(i))
+            if i == 0:
+                wait_until(lambda: all(remote.store.has(d) for d in image.layer_digests[:-1]), WAIT_S, "the lookahead")
+                # The top layer's index is still on its way.
+                assert remote.prune(recorded) == []
+                release.set()
+            # Its snapshot is not recorded yet.
+            assert remote.prune(recorded) == []
+            assert remote.store.has(served.index.layer_digest)
+        labels = {REMOTE: "true", LAYER_DIGEST: image.layer_digests[i]}
+        recorded.append(Snapshot(key=f"remote/{i}", id=i, kind=Kind.COMMITTED, labels=labels))
+    assert [image.fetches_of(i) for i in range(LAYERS)] == [1] * LAYERS
+    # The image removed: its layers are garbage.
+    assert sorted(remote.prune([])) == sorted(d.split(":")[1] for d in image.layer_digests)
 
 
 def test_the_layer_server_is_asked_to_load_layers_bottom_up(
