@@ -332,29 +332,29 @@ def _reply_dots(
 
 def _negative_entry() -> fuse.EntryAttributes:
     """A lookup's "no such name", cached by the kernel for TIMEOUT (inode 0)."""
-    attr = fuse.EntryAttributes()
-    attr.entry_timeout = TIMEOUT
-    attr.attr_timeout = 0
-    return attr
+    return fuse.EntryAttributes(entry_timeout=TIMEOUT, attr_timeout=0)
 
 
 def entry_attributes(slot: int, node: Node) -> fuse.EntryAttributes:
     """The stat the kernel gets for `node` of the layer in `slot`."""
-    attr = fuse.EntryAttributes()
-    attr.st_ino = (slot << SLOT_SHIFT) | node.ino
-    attr.generation = 0
-    attr.entry_timeout = TIMEOUT
-    attr.attr_timeout = TIMEOUT
-    attr.st_mode = node.mode
-    attr.st_nlink = node.nlink
-    attr.st_uid = node.uid
-    attr.st_gid = node.gid
-    attr.st_rdev = node.rdev
-    attr.st_size = node.size
-    attr.st_blksize = BLOCK_SIZE
-    attr.st_blocks = (node.size + 511) // 512
-    attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = node.mtime_ns
-    return attr
+    # Every field at once: each assignment is checked (a lookup makes one of these).
+    mtime_ns = node.mtime_ns
+    return fuse.EntryAttributes(
+        st_ino=(slot << SLOT_SHIFT) | node.ino,
+        entry_timeout=TIMEOUT,
+        attr_timeout=TIMEOUT,
+        st_mode=node.mode,
+        st_nlink=node.nlink,
+        st_uid=node.uid,
+        st_gid=node.gid,
+        st_rdev=node.rdev,
+        st_size=node.size,
+        st_blksize=BLOCK_SIZE,
+        st_blocks=(node.size + 511) // 512,
+        st_atime_ns=mtime_ns,
+        st_mtime_ns=mtime_ns,
+        st_ctime_ns=mtime_ns,
+    )
 
 
 class LayerFS(fuse.Operations):
