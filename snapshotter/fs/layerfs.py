@@ -113,6 +113,11 @@ LAST_READS_S = 60.0
 # of one pull come within seconds, so its layer was not served after all.
 OPENED_ALONE_S = 120.0
 
+# A lookup's "no such name", cached by the kernel for TIMEOUT (inode 0).
+# Made once: every field of an answer is checked as it is set, and most of
+# a start's lookups are these (overlayfs probes each layer for each name).
+_NEGATIVE_ENTRY = fuse.EntryAttributes(entry_timeout=TIMEOUT, attr_timeout=0)
+
 _LAYER_ROOT = re.compile(r"/([0-9a-f]{64})(?:/|$)")
 _LAYER_NAME = re.compile(r"[0-9a-f]{64}")
 
@@ -328,11 +333,6 @@ def _reply_dots(
         if not fuse.readdir_reply(token, name, attr, n):
             return False
     return True
-
-
-def _negative_entry() -> fuse.EntryAttributes:
-    """A lookup's "no such name", cached by the kernel for TIMEOUT (inode 0)."""
-    return fuse.EntryAttributes(entry_timeout=TIMEOUT, attr_timeout=0)
 
 
 def entry_attributes(slot: int, node: Node) -> fuse.EntryAttributes:
@@ -912,7 +912,7 @@ class LayerFS(fuse.Operations):
             # name. A layer copy's tree never changes and its slot is never
             # another copy's (fs/slots.py), so no unload, reload or prune
             # can make this answer wrong under this directory's inode.
-            return _negative_entry()
+            return _NEGATIVE_ENTRY
         return entry_attributes(layer.slot, child)
 
     @_guarded_forget
