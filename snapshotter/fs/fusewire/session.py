@@ -46,6 +46,13 @@ log = structlog.get_logger("bootseer.fs")
 
 PAGE = 4096
 
+# Requests answered in the loop one after another without yielding, at
+# most. A yield is a pass of trio's scheduler, which costs about what the
+# rest of such a request does (it doubled a lookup's round trip); the loop
+# yields anyway whenever it waits for the next request or starts a task
+# (which then starts at once: a read's fetch or disk read).
+BURST = 32
+
 # FUSE requests read from every connection this process served, by opcode:
 # what the kernel did not keep (the layer server's
 # bootseer_fs_fuse_requests_total). A plain dict: a count costs about 60 ns;
@@ -121,6 +128,12 @@ class SessionStats:
     resend_requested: bool = False
     resend_supported: bool | None = None
     resent_ops: list[str] = field(default_factory=list)
+
+
+class _Accepted(Enum):
+    ANSWERED = "answered"  # or nothing to answer: read on
+    TASK = "task"  # a handler's task started: let it run
+    DESTROY = "destroy"
 
 
 class Outcome(Enum):
@@ -252,10 +265,12 @@ class Session:
             with trio.CancelScope() as self._reading:
                 if self._stop_requested:
                     self._reading.cancel()
+                unyielded = 0
                 while True:
                     try:
                         n = os.readv(self.fd, [buf])
                     except BlockingIOError:
+                        unyielded = 0
                         await trio.lowlevel.wait_readable(self.fd)
                         continue
                     except InterruptedError:
@@ -282,13 +297,16 @@ class Session:
                         # Never from a sane kernel; one bad request must not
                         # end the loop (its reply, if it has one, is lost).
                         log.error("malformed FUSE request", length=n, error=str(exc))
-                        accepted = True
-                    if not accepted:
+                        accepted = _Accepted.ANSWERED
+                    if accepted is _Accepted.DESTROY:
                         outcome = Outcome.DESTROYED
                         break
-                    # Let handlers run between requests (and stop() land
-                    # between reads, never inside one).
-                    await trio.lowlevel.checkpoint()
+                    # Let handlers run (and stop() land) between reads,
+                    # never inside one.
+                    unyielded += 1
+                    if accepted is _Accepted.TASK or unyielded >= BURST:
+                        unyielded = 0
+                        await trio.lowlevel.checkpoint()
             if outcome is not Outcome.STOPPED or not self._connected:
                 # Nobody wants the answers any more.
                 nursery.cancel_scope.cancel()
@@ -342,8 +360,8 @@ class Session:
         except Exception as exc:
             log.error("filesystem init failed", error=repr(exc), exc_info=exc)
 
-    def _accept(self, nursery: trio.Nursery, data: bytes) -> bool:
-        """Start handling one request; False on DESTROY."""
+    def _accept(self, nursery: trio.Nursery, data: bytes) -> _Accepted:
+        """Answer one request, or start the task that will."""
         header = protocol.parse_header(data)
         body = memoryview(data)[protocol.IN_HEADER.size : header.length]
         self.stats.requests += 1
@@ -361,6 +379,7 @@ class Session:
         elif op == Opcode.FORGET:
             (nlookup,) = protocol.FORGET_IN.unpack_from(body)
             nursery.start_soon(self._forget, [(header.nodeid, nlookup)])
+            return _Accepted.TASK
         elif op == Opcode.BATCH_FORGET:
             count, _ = protocol.BATCH_FORGET_IN.unpack_from(body)
             items = [
@@ -368,13 +387,14 @@ class Session:
                 for i in range(count)
             ]
             nursery.start_soon(self._forget, items)
+            return _Accepted.TASK
         elif op == Opcode.INTERRUPT:
             # Every request is answered anyway; an interrupted one's reply
             # is dropped by the kernel (ENOENT on write).
             pass
         elif op == Opcode.DESTROY:
             self._reply(header.unique, [])
-            return False
+            return _Accepted.DESTROY
         else:
             handler = self._handlers.get(op)
             if handler is None:
@@ -385,7 +405,8 @@ class Session:
                 now = self._now.get(op)
                 if now is None or not self._answered_now(now, header, body, ctx):
                     nursery.start_soon(self._run, handler, header, body, ctx)
-        return True
+                    return _Accepted.TASK
+        return _Accepted.ANSWERED
 
     def _answered_now(self, now: _NowHandler, header: InHeader, body: memoryview, ctx: RequestContext) -> bool:
         try:
