@@ -826,15 +826,15 @@ class LayerFS(fuse.Operations):
             return 0
 
     def _root_attr(self) -> fuse.EntryAttributes:
-        attr = fuse.EntryAttributes()
-        attr.st_ino = fuse.ROOT_INODE
-        attr.st_mode = stat.S_IFDIR | 0o755
-        attr.st_nlink = 2
-        attr.st_blksize = BLOCK_SIZE
         # The root's listing changes as layers arrive: do not let it be cached.
-        attr.entry_timeout = 0
-        attr.attr_timeout = 0
-        return attr
+        return fuse.EntryAttributes(
+            st_ino=fuse.ROOT_INODE,
+            st_mode=stat.S_IFDIR | 0o755,
+            st_nlink=2,
+            st_blksize=BLOCK_SIZE,
+            entry_timeout=0,
+            attr_timeout=0,
+        )
 
     def _root_getattr(self) -> fuse.EntryAttributes:
         attr = self._root_attr()
