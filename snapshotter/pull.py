@@ -168,10 +168,15 @@ def registry_client(
 
 
 def pull_request(
-    request: PullRequest, registry: RegistryClient, containerd: ContainerdClient, progress: ProgressFactory = silent
+    request: PullRequest,
+    registry: RegistryClient,
+    containerd: ContainerdClient,
+    progress: ProgressFactory = silent,
+    resolved: Callable[[ResolvedImage], None] | None = None,
 ) -> PullResult:
-    """The pull `request` asks for (the pull socket's, or the command's own)."""
-    puller = Puller(registry, containerd, request.snapshotter, progress)
+    """The pull `request` asks for (the pull socket's, or the command's own);
+    `resolved` as Puller's."""
+    puller = Puller(registry, containerd, request.snapshotter, progress, resolved)
     return puller.pull(request.image, request.platform, started=request.started)
 
 
@@ -182,11 +187,16 @@ class Puller:
         containerd: ContainerdClient,
         snapshotter: str = DEFAULT_SNAPSHOTTER,
         progress: ProgressFactory = silent,
+        resolved: Callable[[ResolvedImage], None] | None = None,
     ) -> None:
+        """`resolved(image)`, if given, is told the image's manifest as soon
+        as it is known, before anything goes to containerd: the snapshotter
+        that will be asked to prepare its layers can set their work going."""
         self.registry = registry
         self.containerd = containerd
         self.snapshotter = snapshotter
         self.progress = progress
+        self.resolved = resolved
 
     def pull(self, reference: str, platform: str | None = None, started: float | None = None) -> PullResult:
         """`started`: when the user's command began (the records' clock), if
@@ -202,6 +212,12 @@ class Puller:
     def _pull(self, reference: str, platform: str | None, started: float) -> PullResult:
         ref = parse_reference(reference)
         image = self.registry.resolve(ref, platform)
+        if self.resolved is not None:
+            try:
+                self.resolved(image)
+            except Exception as exc:
+                # Only a head start: the Prepares do the work all the same.
+                log.warning("pull.resolved_hook_failed", image=str(ref), error=str(exc))
         name = str(ref)
         log.info("pull.resolved", image=name, manifest=image.manifest_digest, layers=len(image.manifest.layers))
         config = self.registry.fetch_blob_bytes(ref, image.manifest.config.digest)

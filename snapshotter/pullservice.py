@@ -30,8 +30,8 @@ from prometheus_client import Counter, Histogram
 
 from snapshotter.containerd_client import ContainerdClient
 from snapshotter.pull import LayerProgress, PullResult, failure_message, pull_request, registry_client
-from snapshotter.pullwire import PullRequest, RequestError, encode_event, read_line
-from snapshotter.registry.client import RegistryClient
+from snapshotter.pullwire import DEFAULT_SNAPSHOTTER, PullRequest, RequestError, encode_event, read_line
+from snapshotter.registry.client import RegistryClient, ResolvedImage
 from snapshotter.registry.media import Descriptor
 from snapshotter.registry.settings import RegistryConfig
 
@@ -131,8 +131,15 @@ class _LayerEvents:
 class PullService:
     """Serves pulls on `address` until `stop`."""
 
-    def __init__(self, address: Path, registry: RegistryConfig) -> None:
+    def __init__(
+        self, address: Path, registry: RegistryConfig, resolved: Callable[[ResolvedImage], None] | None = None
+    ) -> None:
+        """`resolved`: told the image of each pull into this daemon's
+        snapshotter (the one containerd's config names DEFAULT_SNAPSHOTTER)
+        once it is resolved (Puller); pulls into any other snapshotter are
+        not its business."""
         self.address = address
+        self._resolved = resolved
         self._registries: _Warm[tuple[bool, str | None, str | None], RegistryClient] = _Warm(
             lambda key: registry_client(registry, *key), RegistryClient.close
         )
@@ -211,7 +218,8 @@ class PullService:
             self._registries.get((request.plain_http, request.hosts_dir, request.docker_config)) as registry,
             self._containerds.get((request.address, request.namespace)) as containerd,
         ):
-            return pull_request(request, registry, containerd, events.layer)
+            resolved = self._resolved if request.snapshotter == DEFAULT_SNAPSHOTTER else None
+            return pull_request(request, registry, containerd, events.layer, resolved)
 
 
 def _peer_uid(sock: socket.socket) -> int:

@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -364,6 +364,24 @@ class RemoteLayers:
             self._show(name, path)
             self._announce(ref, manifest_digest, layer_digest)
         return LazyLayer(path=path, index=index)
+
+    def expect(self, ref: Reference, manifest_digest: str, layers: Sequence[Descriptor]) -> None:
+        """A pull into this snapshotter has just resolved the image: set the
+        index fetch of every layer this node does not hold going now, bottom
+        layer first, before containerd prepares any (its Prepares then take
+        what these fetched), and the layer server looking for the image's
+        hot-block manifest with the first of them. Returns at once."""
+        if not os.path.ismount(self.mountpoint):
+            return
+        with self._lock:
+            self._sizes.setdefault(manifest_digest, {d.digest: d.size for d in layers})
+        below = None
+        for layer in layers:
+            # A stored layer is this node's already: its Prepare, if one
+            # comes, reads the stored copy; a re-pull of an image the node
+            # holds makes no Prepare at all.
+            if not self.store.has(layer.digest):
+                below = self._stored(ref, manifest_digest, layer.digest, own=False, below=below)
 
     def _show(self, name: str, path: Path) -> None:
         """Have the layer server load the layer; NotLazy if it does not show it."""

@@ -36,7 +36,7 @@ from snapshotter.trust_settings import TrustConfig
 
 if TYPE_CHECKING:
     from snapshotter.cri.proxy import CriProxy
-    from snapshotter.registry.client import RegistryClient
+    from snapshotter.registry.client import RegistryClient, ResolvedImage
 
 log = structlog.get_logger("bootseer.snapshotter")
 
@@ -78,6 +78,13 @@ def _remote_layers(
 
     plain = fs.plain_mountpoint if fs.plain_mount else None
     return RemoteLayers(LayerStore(fs.store), fs.mountpoint, client, fs.layer_gc_grace_s, index_trust, plain)
+
+
+def _head_start(remote: RemoteLayers | None) -> Callable[[ResolvedImage], None] | None:
+    """What the pull socket tells the lazy path of an image it resolved."""
+    if remote is None:
+        return None
+    return lambda image: remote.expect(image.ref, image.manifest_digest, image.manifest.layers)
 
 
 def _cri_proxy(cri: CriConfig, registry: RegistryConfig) -> CriProxy | None:
@@ -201,7 +208,7 @@ def serve(
         if config.pull_address:
             pull_address = Path(config.pull_address)
             _prepare_socket(pull_address)
-            pulls = PullService(pull_address, registry)
+            pulls = PullService(pull_address, registry, _head_start(snapshotter.remote))
             pulls.start()
             bound.append(pull_address)
         if proxy is not None:

@@ -2,9 +2,10 @@
 
 It forwards every request to the registry unchanged except when a planned
 fault matches: drop the connection, answer a status itself, strip the Range
-header, truncate or corrupt the body, redirect elsewhere, or stall (never
+header, truncate or corrupt the body, redirect elsewhere, stall (never
 answer, or answer the headers and half the body and then nothing more,
-until the proxy stops: a registry that was SIGSTOPped). It records each
+until the proxy stops: a registry that was SIGSTOPped), or hold a request
+until the test releases it (then answer it as usual). It records each
 request (method, path, headers) so tests can see what the client sent,
 and counts the body bytes it sent back, per path. `blackhole` is the
 other kind of dead host: one that never completes a TCP connection.
@@ -23,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from tests.harness.procs import free_tcp_port
 
-FAULTS = ("drop", "status", "strip_range", "truncate", "flip", "redirect", "stall", "stall_body")
+FAULTS = ("drop", "status", "strip_range", "truncate", "flip", "redirect", "stall", "stall_body", "hold")
 
 
 @dataclass
@@ -56,6 +57,8 @@ class FaultProxy:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # Set when the proxy stops: stalled answers end then.
     stopping: threading.Event = field(default_factory=threading.Event)
+    # Set by release() (and when the proxy stops): held requests go on then.
+    released: threading.Event = field(default_factory=threading.Event)
     # Body bytes written to clients, by request path (a client that hangs up
     # stops the count; bytes already in socket buffers are counted as sent).
     sent: dict[str, int] = field(default_factory=dict)
@@ -92,6 +95,10 @@ class FaultProxy:
                     return fault
         return None
 
+    def release(self) -> None:
+        """Let every held request (fault "hold") through, now and from now on."""
+        self.released.set()
+
     def record(self, seen: Seen) -> None:
         with self._lock:
             self.seen.append(seen)
@@ -126,6 +133,8 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             if fault is not None and fault.kind == "drop":
                 self.close_connection = True
                 return
+            if fault is not None and fault.kind == "hold":
+                proxy.released.wait()
             if fault is not None and fault.kind == "stall":
                 proxy.stopping.wait()
                 self.close_connection = True
@@ -204,6 +213,7 @@ def running(upstream_port: int, port: int | None = None) -> Iterator[FaultProxy]
         yield proxy
     finally:
         proxy.stopping.set()
+        proxy.released.set()
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
