@@ -379,8 +379,8 @@ class RemoteLayers:
         for layer in layers:
             # A stored layer is this node's already: its Prepare, if one
             # comes, reads the stored copy; a re-pull of an image the node
-            # holds makes no Prepare at all.
-            if not self.store.has(layer.digest):
+            # holds makes no Prepare at all. Indexes cover sha256 layers only.
+            if is_sha256_digest(layer.digest) and not self.store.has(layer.digest):
                 below = self._stored(ref, manifest_digest, layer.digest, own=False, below=below)
 
     def _show(self, name: str, path: Path) -> None:
