@@ -373,8 +373,7 @@ class RemoteLayers:
         hot-block manifest with the first of them. Returns at once."""
         if not os.path.ismount(self.mountpoint):
             return
-        with self._lock:
-            self._sizes.setdefault(manifest_digest, {d.digest: d.size for d in layers})
+        self._keep_sizes(manifest_digest, layers)
         below = None
         for layer in layers:
             # A stored layer is this node's already: its Prepare, if one
@@ -560,7 +559,7 @@ class RemoteLayers:
             known = resolved.manifest_digest
             with self._lock:
                 self._resolved[str(ref)] = known
-                self._sizes.setdefault(known, {d.digest: d.size for d in resolved.manifest.layers})
+            self._keep_sizes(known, resolved.manifest.layers)
         return known
 
     def _layer_size(self, ref: Reference, manifest_digest: str, layer_digest: str) -> int:
@@ -585,10 +584,13 @@ class RemoteLayers:
             raise NotLazy(Reason.REGISTRY_ERROR, f"image manifest {manifest_digest}: {exc}") from None
         if not isinstance(parsed, media.Manifest):
             raise NotLazy(Reason.REGISTRY_ERROR, f"{manifest_digest} is a {media_type}, not an image manifest")
-        sizes = {d.digest: d.size for d in parsed.layers}
+        return self._keep_sizes(manifest_digest, parsed.layers)
+
+    def _keep_sizes(self, manifest_digest: str, layers: Sequence[Descriptor]) -> dict[str, int]:
+        """The layer blob sizes of an image manifest the registry client
+        checked against `manifest_digest`, kept for `_layer_size`."""
         with self._lock:
-            self._sizes[manifest_digest] = sizes
-        return sizes
+            return self._sizes.setdefault(manifest_digest, {d.digest: d.size for d in layers})
 
     def _announce(self, ref: Reference, manifest_digest: str, layer_digest: str | None = None) -> bool:
         """Tell the layer server this image now has this layer, so it can

@@ -8,8 +8,6 @@ and a corrupt index costs its own layer the lazy path, nothing else."""
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import quote
@@ -26,6 +24,7 @@ from tests.harness import faultproxy
 from tests.harness.faultproxy import FaultProxy
 from tests.harness.lazynode import LazyNode
 from tests.harness.oci import File, ImageBuilder, PushedImage, busybox_layer
+from tests.harness.procs import wait_until
 from tests.harness.registry import Registry
 from tests.harness.trust import signed
 
@@ -41,32 +40,6 @@ def _image(images: ImageBuilder, name: str) -> PushedImage:
     )
 
 
-def _index_blobs(ref: str) -> tuple[str, list[Descriptor]]:
-    """The image's manifest digest, and the index blobs attached to it."""
-    reference = parse_reference(ref)
-    with RegistryClient(plain_http=True) as client:
-        _, _, digest = client.fetch_manifest(reference)
-        listed = artifact.referrers(client, reference, digest, ARTIFACT_TYPE)
-    return digest, [blob for manifest in listed for blob in manifest.layers]
-
-
-def _config_digest(ref: str) -> str:
-    with RegistryClient(plain_http=True) as client:
-        data, media_type, _ = client.fetch_manifest(parse_reference(ref))
-    manifest = media.parse(data, media_type)
-    assert isinstance(manifest, media.Manifest)
-    return manifest.config.digest
-
-
-def _eventually(condition: Callable[[], bool], within_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def _counts(output: str) -> tuple[int, int]:
     match = re.search(r"\((\d+) remote, (\d+) fetched", output)
     assert match, output
@@ -78,6 +51,7 @@ class _Indexed:
     image: PushedImage
     ref: str  # through the proxy
     manifest_digest: str
+    config_digest: str
     blobs: list[Descriptor]  # its index blobs
 
 
@@ -92,10 +66,16 @@ def _indexed(
     image = images.push(name, [[File(f"/layer{i}.txt", f"layer {i} of {name}\n".encode())] for i in range(layers)])
     ref = image.ref.replace(registry.host, proxy.host)
     lazy_node.index(ref)
-    manifest_digest, blobs = _index_blobs(ref)
+    reference = parse_reference(ref)
+    with RegistryClient(plain_http=True) as client:
+        data, media_type, manifest_digest = client.fetch_manifest(reference)
+        listed = artifact.referrers(client, reference, manifest_digest, ARTIFACT_TYPE)
+    manifest = media.parse(data, media_type)
+    assert isinstance(manifest, media.Manifest)
+    blobs = [blob for artifact_manifest in listed for blob in artifact_manifest.layers]
     assert len(blobs) == layers
     proxy.reset()
-    return _Indexed(image, ref, manifest_digest, blobs)
+    return _Indexed(image, ref, manifest_digest, manifest.config.digest, blobs)
 
 
 def _index_gets(proxy: FaultProxy, indexed: _Indexed) -> list[int]:
@@ -123,15 +103,19 @@ def test_a_pull_sets_every_layers_index_fetch_going_once_it_has_the_image_manife
         indexed = _indexed(lazy_node, images, registry, proxy, f"indexes/early-{unique}", 4)
         # The pull fetches the image's config right after its manifest, and
         # asks containerd for nothing before it has it (held, and any retry).
-        proxy.plan("hold", f"/blobs/{_config_digest(indexed.ref)}", times=100)
+        proxy.plan("hold", f"/blobs/{indexed.config_digest}", times=100)
         with ThreadPoolExecutor(max_workers=1) as pool:
             pulled = pool.submit(lazy_node.pull, indexed.ref)
             try:
-                early = _eventually(lambda: all(_index_gets(proxy, indexed)))
+                wait_until(
+                    lambda: all(_index_gets(proxy, indexed)),
+                    60,
+                    "every layer's index fetched while the config is held",
+                    lazy_node.snapshotter.daemon,
+                )
             finally:
                 proxy.release()
             output = pulled.result()
-        assert early, [seen.path for seen in proxy.requests()]
         assert _counts(output) == (4, 0)
         assert _index_gets(proxy, indexed) == [1] * 4
         # The layers' sizes came with the pull's own manifest: not fetched again by digest.
