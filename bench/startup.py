@@ -60,7 +60,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from bench import cpu, hotbytes, image, link, report, stargz, timeline
+from bench import cpu, fusewait, hotbytes, image, link, report, stargz, timeline
 from bench.node import Node, start_node
 from bench.report import log
 from bench.timeline import Run, ScriptOutput, Segment
@@ -148,6 +148,8 @@ class Setup:
     netns: link.Netns
     proxy: link.DelayProxy
     nodes: Nodes
+    # Whether the kernel's FUSE tracepoints time each run's requests (bench/fusewait.py).
+    fuse_trace: bool = False
 
     @property
     def warm(self) -> Node:
@@ -363,6 +365,9 @@ def timed_run(setup: Setup, mode: Mode, number: int) -> Run:
     node = _node_for(setup, mode)
     ref = setup.ref_for(mode.tag) if mode.cold else setup.nodes.direct_ref
     roles = _cpu_roles(setup, node)
+    # Modes on overlayfs make no FUSE request.
+    traced = setup.fuse_trace and mode.snapshotter != "overlayfs"
+    trace = fusewait.FuseTrace(f"bootseer-bench-{os.getpid()}") if traced else None
     try:
         # Counter deltas: the long-lived lazy-warm node has counted earlier runs.
         before = _layer_server_metrics(node)
@@ -372,9 +377,23 @@ def timed_run(setup: Setup, mode: Mode, number: int) -> Run:
             ctx = RunContext(setup, node, sampler, time.time(), ref)
             pull = mode.pull(ctx)
             pull_end = time.time()
-            ready_at, script = run_container(node.containerd, mode.snapshotter, ref, f"{mode.name}-{number}")
+            # The container's requests: from the pull's end to its ready line.
+            requests = None
+            if trace is not None:
+                trace.start()
+            try:
+                ready_at, script = run_container(node.containerd, mode.snapshotter, ref, f"{mode.name}-{number}")
+            finally:
+                if trace is not None:
+                    requests = trace.stop()
         cpu_s, busy, _ = cpu.delta(cpu_before, cpu.snapshot(roles, node.containerd.namespace))
         metrics = {k: v - before.get(k, 0.0) for k, v in _layer_server_metrics(node).items()}
+        fuse_wait = None
+        if trace is not None and requests is not None:
+            if trace.lost:
+                log("warning: the FUSE trace buffer overflowed; no FUSE wait figure for this run")
+            else:
+                fuse_wait = fusewait.summarise(fusewait.parse(requests))
     finally:
         if mode.cold:
             leftovers = node.teardown()
@@ -389,6 +408,7 @@ def timed_run(setup: Setup, mode: Mode, number: int) -> Run:
         layer_server=metrics,
         cpu_s=cpu_s,
         busy_cores=busy,
+        fuse_wait=fuse_wait,
     )
 
 
@@ -461,7 +481,10 @@ def run_link(
     upstream = f"{netns.ns_addr}:{link.REGISTRY_PORT}"
     biggest = max(zip(built.layout.layer_sizes, built.layout.layer_digests, strict=True))[1]
     proxy, calibration = _calibrate(netns, upstream, spec, f"/v2/{REPOSITORY}/blobs/{biggest}", shaper)
-    setup = Setup(netns, proxy, nodes)
+    traced = fusewait.FuseTrace.available()
+    if not traced:
+        log("this kernel has no FUSE request tracepoints: runs get no FUSE wait figure")
+    setup = Setup(netns, proxy, nodes, fuse_trace=traced)
     by_mode: dict[str, list[Run]] = {m.name: [] for m in modes}
     manifest_bytes = None
     try:
@@ -472,10 +495,12 @@ def run_link(
             for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
                 run = timed_run(setup, mode, i)
                 by_mode[mode.name].append(run)
+                wait = run.fuse_wait
+                waited = "" if wait is None else f", FUSE wait {wait.outstanding_s:.2f} s ({wait.requests} requests)"
                 log(
                     f"{spec.name} round {i + 1}/{runs} {mode.name:16} ready in {run.ready_s:6.2f} s, "
                     f"{run.bytes_fetched / 1e6:8.1f} MB over the link, {run.busy_cores:.2f} cores busy, "
-                    f"CPU s {' '.join(f'{role} {s:.2f}' for role, s in run.cpu_s.items())}"
+                    f"CPU s {' '.join(f'{role} {s:.2f}' for role, s in run.cpu_s.items())}{waited}"
                 )
     finally:
         proxy.stop()
@@ -606,9 +631,17 @@ def _closing_note(ratios: dict[str, float | None], summary: dict[str, dict], tar
             if "cpu_floor_s" in s
             else ""
         )
+        fw = s.get("fuse_wait")
+        waited = (
+            f"; the container had a FUSE request outstanding for {fw['outstanding_s']:.2f} s "
+            f"({fw['requests']} requests, {fw['slow_requests']} of them over {fusewait.SLOW_S * 1e3:g} ms "
+            f"for {fw['slow_sum_s']:.2f} s)"
+            if fw
+            else ""
+        )
         notes.append(
             f"{key} = {measured} misses the target {target}: pull {sum(pull.values()):.2f} s {pull}; "
-            f"the segment furthest above warm is '{worst[0]}' (+{worst[1]:.2f} s){fetch}{floor}"
+            f"the segment furthest above warm is '{worst[0]}' (+{worst[1]:.2f} s){fetch}{floor}{waited}"
         )
     return notes
 
@@ -776,6 +809,12 @@ def main() -> None:
         "disk_read_ahead_kb": hotbytes.device_read_ahead_kb(Path("/tmp")),
         "runs_per_mode": args.runs,
         "note": "2-core VM shared with other engineers' test runs: figures may be depressed by contention",
+        "fuse_wait_definition": (
+            "per mode, medians over its runs of the FUSE requests sent from the pull's end to the ready line "
+            "(the container's, and its runtime's), timed by the kernel's fuse_request_send/end tracepoints: "
+            f"outstanding_s, the wall time with one or more outstanding; slow: answered in over "
+            f"{fusewait.SLOW_S * 1e3:g} ms (bench/fusewait.py)"
+        ),
         # The first link's figures at the top level, every link under "links".
         "link": first["link"],
         "modes": first["modes"],

@@ -9,6 +9,8 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from bench.fusewait import FuseWait
+
 # The training-start script's marks, in order; each ends the segment named here.
 SCRIPT_SEGMENTS = (
     ("interpreter", "container start + interpreter"),
@@ -63,6 +65,9 @@ class Run:
     # whole machine kept busy on average.
     cpu_s: dict[str, float] = field(default_factory=dict)
     busy_cores: float | None = None
+    # The container's FUSE requests and how long they kept it waiting
+    # (bench/fusewait.py), where the kernel can tell.
+    fuse_wait: FuseWait | None = None
 
 
 def timeline(
@@ -135,6 +140,17 @@ def summarise(runs: list[Run]) -> dict[str, object]:
     busy = [r.busy_cores for r in runs if r.busy_cores is not None]
     if busy:
         out["busy_cores"] = round(_median(busy), 2)
+    waits = [r.fuse_wait for r in runs if r.fuse_wait is not None]
+    if waits:
+        opcodes = sorted({op for w in waits for op in w.by_opcode_s})
+        out["fuse_wait"] = {
+            "requests": int(_median([w.requests for w in waits])),
+            "outstanding_s": round(_median([w.outstanding_s for w in waits]), 3),
+            "latency_sum_s": round(_median([w.latency_sum_s for w in waits]), 3),
+            "slow_requests": int(_median([w.slow_requests for w in waits])),
+            "slow_sum_s": round(_median([w.slow_sum_s for w in waits]), 3),
+            "by_opcode_s": {op: round(_median([w.by_opcode_s.get(op, 0.0) for w in waits]), 3) for op in opcodes},
+        }
     return out
 
 

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from bench import timeline
+from bench.fusewait import FuseWait
 from bench.timeline import Run, ScriptOutput, Segment
 
 
@@ -77,6 +78,25 @@ def test_summarise_takes_the_median_cpu_of_each_role_and_of_the_busy_cores() -> 
     s = timeline.summarise(runs)
     assert s["cpu_s"] == {"layer_server": 4.5, "registry": 7.0}
     assert s["busy_cores"] == 1.95
+
+
+def test_summarise_takes_the_median_fuse_wait_of_the_runs_that_have_one() -> None:
+    runs = [
+        Run("prefetch", r, 0, [], fuse_wait=FuseWait(int(1000 * r), r / 4, r / 2, int(r), r / 8, {"READ": r / 3}))
+        for r in (4.0, 2.0, 3.0)
+    ]
+    # A run the kernel could not trace (or whose trace overflowed) has none.
+    runs.append(Run("prefetch", 9.0, 0, []))
+    s = timeline.summarise(runs)
+    assert s["fuse_wait"] == {
+        "requests": 3000,
+        "outstanding_s": 0.75,
+        "latency_sum_s": 1.5,
+        "slow_requests": 3,
+        "slow_sum_s": 0.375,
+        "by_opcode_s": {"READ": 1.0},
+    }
+    assert "fuse_wait" not in timeline.summarise([Run("warm", 1.0, 0, [])])
 
 
 def test_limit_and_ratios() -> None:
