@@ -31,7 +31,7 @@ SLOW_S = 0.001
 
 # `<task>-<pid> [<cpu>] <flags> <seconds>: <event>: connection <n> req <id> ...`
 _LINE = re.compile(
-    r"^\s*(?P<task>.+?)-(?P<pid>\d+)\s+\[\d+\]\s+\S+\s+(?P<ts>\d+\.\d+): "
+    r"^\s*(?P<task>.+?)-\d+\s+\[\d+\]\s+\S+\s+(?P<ts>\d+\.\d+): "
     r"(?P<event>fuse_request_send|fuse_request_end): connection (?P<conn>\d+) req (?P<req>\d+)"
     r"(?: opcode \d+ \((?P<op>\w+)\))?"
 )
