@@ -378,7 +378,7 @@ def timed_run(setup: Setup, mode: Mode, number: int) -> Run:
             pull = mode.pull(ctx)
             pull_end = time.time()
             # The container's requests: from the pull's end to its ready line.
-            requests = None
+            requests: list[str] = []
             if trace is not None:
                 trace.start()
             try:
@@ -389,7 +389,7 @@ def timed_run(setup: Setup, mode: Mode, number: int) -> Run:
         cpu_s, busy, _ = cpu.delta(cpu_before, cpu.snapshot(roles, node.containerd.namespace))
         metrics = {k: v - before.get(k, 0.0) for k, v in _layer_server_metrics(node).items()}
         fuse_wait = None
-        if trace is not None and requests is not None:
+        if trace is not None:
             if trace.lost:
                 log("warning: the FUSE trace buffer overflowed; no FUSE wait figure for this run")
             else:
